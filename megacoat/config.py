@@ -1,0 +1,320 @@
+"""Configuration: a tree of dataclasses, and a Megatron-compatible argparse built from it.
+
+Every field becomes one flag: `--` + the field name with `_` -> `-` (Megatron's spelling).
+The help text is the field's `help` metadata. Booleans that default to False are
+`store_true` flags; booleans that default to True get a `--no-...` flag instead.
+Validation that needs several fields at once lives in `validate_config`, so that bad layouts
+fail before anything is allocated, with one message naming the flags involved.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix by changing flags."""
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """Dataclass field with argparse metadata."""
+    meta["help"] = help
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(4, "Number of transformer layers.")
+    hidden_size: int = _f(256, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = _f(
+        None, "MLP hidden size. Default: 4*hidden (GELU) or the Llama rule 2/3*4*hidden rounded up to 64 (SwiGLU).")
+    num_attention_heads: int = _f(4, "Number of attention heads.")
+    group_query_attention: bool = _f(False, "Use grouped-query attention (needs --num-query-groups).")
+    num_query_groups: Optional[int] = _f(None, "Number of key/value head groups for grouped-query attention.")
+    kv_channels: Optional[int] = _f(None, "Per-head dimension. Default: hidden_size / num_attention_heads.")
+    seq_length: int = _f(256, "Sequence length of a training sample.")
+    max_position_embeddings: Optional[int] = _f(None, "Maximum positions (learned_absolute table size, RoPE cache). Default: --seq-length.")
+    normalization: str = _f("RMSNorm", "Normalization layer.", choices=["RMSNorm", "LayerNorm"])
+    norm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.")
+    position_embedding_type: str = _f("rope", "Position embedding.", choices=["rope", "learned_absolute"])
+    rotary_base: float = _f(10000.0, "RoPE base (theta).")
+    activation: str = _f("swiglu", "MLP activation (Llama: swiglu; GPT-2: gelu).", choices=["swiglu", "gelu"])
+    add_bias_linear: bool = _f(False, "Add biases to the linear layers (GPT-2 style).")
+    untie_embeddings_and_output_weights: bool = _f(False, "Use a separate output layer instead of the input embedding.")
+    init_method_std: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
+    attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
+    hidden_dropout: float = _f(0.1, "Dropout probability on the outputs of attention and MLP blocks.")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times the TP size.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "Tensor model parallel size (TP).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline model parallel size (PP).")
+    sequence_parallel: bool = _f(False, "Shard norms, dropout and residuals along the sequence across TP ranks.")
+    ranks_per_node: Optional[int] = _f(
+        None, "Ranks per node for the two-level data-parallel groups. Default: $LOCAL_WORLD_SIZE (torchrun), else the world size.")
+    distributed_backend: str = _f("auto", "torch.distributed backend: auto = nccl on GPU, gloo on CPU.", choices=["auto", "nccl", "gloo"])
+    distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, minutes.")
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = _f("adam", "Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
+    lr: float = _f(1e-3, "Peak learning rate.")
+    min_lr: float = _f(1e-4, "Minimum learning rate at the end of decay.")
+    lr_warmup_iters: int = _f(20, "Linear warmup iterations.")
+    lr_decay_style: str = _f("cosine", "Decay after warmup.", choices=["cosine", "linear", "constant"])
+    lr_decay_iters: Optional[int] = _f(None, "Iterations over which to decay. Default: --train-iters.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.95, "Adam beta2.")
+    adam_eps: float = _f(1e-8, "Adam epsilon.")
+    clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
+
+
+@dataclass
+class DataConfig:
+    data_path: list = _f([], "Megatron data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'. Empty: the built-in default corpus.", nargs="*")
+    split: str = _f("969,30,1", "Train,valid,test split of --data-path documents, e.g. 949,50,1.")
+    train_data_path: list = _f([], "Separate (weighted) prefixes for training.", nargs="*")
+    valid_data_path: list = _f([], "Separate (weighted) prefixes for validation.", nargs="*")
+    test_data_path: list = _f([], "Separate (weighted) prefixes for test.", nargs="*")
+    data_cache_path: Optional[str] = _f(None, "Where index caches (.npy) and the default corpus live. Default: ~/.cache/megacoat.")
+    mock_data: bool = _f(False, "Synthetic random tokens (for speed measurements only).")
+    tokenizer_type: Optional[str] = _f(
+        None, "Tokenizer: SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer. Default: the default corpus' SentencePiece model.",
+        choices=[None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    tokenizer_model: Optional[str] = _f(None, "Tokenizer model file (SentencePiece .model or HF tokenizer.json / directory).")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size for NullTokenizer and --mock-data.")
+    num_workers: int = _f(2, "DataLoader worker processes.")
+    eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
+    reset_position_ids: bool = _f(False, "Restart position ids after each end-of-document token.")
+    reset_attention_mask: bool = _f(False, "Block attention across end-of-document tokens.")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = _f(8, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = _f(None, "Samples per optimizer step over all DP ranks. Default: micro_batch_size * DP.")
+    train_iters: int = _f(200, "Optimizer steps to train.")
+    seed: int = _f(1234, "Random seed (weights, data order, dropout).")
+    bf16: bool = _f(False, "Train in bf16 with fp32 master weights (the default on GPU).")
+    fp32: bool = _f(False, "Train in fp32 (the default on CPU).")
+    fp16: bool = _f(False, "Not supported: use --bf16.")
+    use_cpu: bool = _f(False, "Run on CPU even when a GPU is present.")
+    torch_compile: Optional[bool] = _f(None, "Compile transformer layers with torch.compile (default: on for GPU).", tristate=True)
+    eval_interval: int = _f(100, "Evaluate on the validation set every this many iterations (0: never).")
+    eval_iters: int = _f(10, "Validation iterations per evaluation.")
+    exit_interval: Optional[int] = _f(None, "Stop after the iteration that is a multiple of this.")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(10, "Print the iteration line every this many iterations.")
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device used for MFU. Default: 989 (H100/H200 SXM dense bf16) on Hopper, else MFU is not printed.")
+    wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project (needs `pip install wandb`).")
+    wandb_exp_name: Optional[str] = _f(None, "W&B run name.")
+    log_json: Optional[str] = _f(None, "Also append one JSON record per logged iteration to this file (rank printing the log).")
+
+
+@dataclass
+class MegacoatConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(MegacoatConfig)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a clearer message for unknown flags (suggests the closest ones)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        if message.startswith("unrecognized arguments"):
+            bad = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for b in bad:
+                close = difflib.get_close_matches(b.split("=")[0], known, n=3)
+                if close:
+                    hints.append(f"{b}: did you mean {', '.join(close)}?")
+            if hints:
+                message += "\n  " + "\n  ".join(hints)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pretrain_gpt.py",
+        description="megacoat: Megatron-style GPT pretraining (flags follow Megatron-LM).",
+        allow_abbrev=False,
+    )
+    for section in dataclasses.fields(MegacoatConfig):
+        group = parser.add_argument_group(section.name)
+        for f in dataclasses.fields(section.default_factory()):
+            meta = dict(f.metadata)
+            help_ = meta.pop("help", "")
+            dest = f"{section.name}.{f.name}"
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if meta.pop("tristate", False):
+                group.add_argument(_flag(f.name), dest=dest, action="store_true", default=None, help=help_)
+                group.add_argument("--no-" + f.name.replace("_", "-"), dest=dest, action="store_false",
+                                   help=f"Disable {_flag(f.name)}.")
+                continue
+            if isinstance(default, bool):
+                if default:
+                    group.add_argument("--no-" + f.name.replace("_", "-"), dest=dest, action="store_false", default=True,
+                                       help=f"Disable: {help_}")
+                else:
+                    group.add_argument(_flag(f.name), dest=dest, action="store_true", default=False, help=help_)
+                continue
+            typ = _field_type(f, default)
+            kwargs = dict(dest=dest, default=default, help=f"{help_} (default: {default})")
+            if "choices" in meta:
+                kwargs["choices"] = meta.pop("choices")
+            if "nargs" in meta:
+                kwargs["nargs"] = meta.pop("nargs")
+                typ = str
+            group.add_argument(_flag(f.name), type=typ, **kwargs)
+    # Megatron spellings that map onto our fields.
+    parser.add_argument("--swiglu", dest="model.activation", action="store_const", const="swiglu",
+                        help="Alias of --activation swiglu.")
+    parser.add_argument("--disable-bias-linear", dest="model.add_bias_linear", action="store_false",
+                        help="Alias: no biases in linear layers (the default).")
+    return parser
+
+
+def _field_type(f: dataclasses.Field, default: Any):
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> MegacoatConfig:
+    """Parse Megatron-style flags into a MegacoatConfig (not yet resolved against the world)."""
+    ns = build_parser().parse_args(argv)
+    cfg = MegacoatConfig()
+    for key, value in vars(ns).items():
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def config_from_dict(d: dict) -> MegacoatConfig:
+    cfg = MegacoatConfig()
+    for section, values in d.items():
+        sec = getattr(cfg, section)
+        for k, v in values.items():
+            setattr(sec, k, v)
+    return cfg
+
+
+def resolve_model_defaults(m: ModelConfig) -> None:
+    """Fill derived model fields (idempotent)."""
+    if m.kv_channels is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+                "pick divisible values or set --kv-channels.")
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if m.num_query_groups is None or not m.group_query_attention:
+        if m.num_query_groups is not None and not m.group_query_attention:
+            raise ConfigError("--num-query-groups needs --group-query-attention.")
+        m.num_query_groups = m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        if m.activation == "swiglu":
+            m.ffn_hidden_size = ((int(2 * 4 * m.hidden_size / 3) + 63) // 64) * 64
+        else:
+            m.ffn_hidden_size = 4 * m.hidden_size
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+
+
+def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
+    """Check everything that can be checked before allocating; raise ConfigError naming the flags."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
+    errors = []
+    resolve_model_defaults(m)
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        errors.append("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1.")
+    elif world_size % (tp * pp):
+        errors.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                      f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
+    if pp != 1:
+        errors.append("--pipeline-model-parallel-size > 1 is not implemented yet; use 1.")
+    dp = max(world_size // max(tp * pp, 1), 1)
+    if m.num_attention_heads % tp:
+        errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                      f"--tensor-model-parallel-size {tp}.")
+    if m.num_query_groups % tp:
+        errors.append(f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}.")
+    if m.num_attention_heads % m.num_query_groups:
+        errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups "
+                      f"{m.num_query_groups}.")
+    if m.ffn_hidden_size % tp:
+        errors.append(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}.")
+    if p.sequence_parallel and m.seq_length % tp:
+        errors.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                      "(needed by --sequence-parallel).")
+    if m.position_embedding_type == "rope" and m.kv_channels % 2:
+        errors.append(f"RoPE needs an even head dimension, got {m.kv_channels}.")
+    if m.max_position_embeddings < m.seq_length:
+        errors.append(f"--max-position-embeddings {m.max_position_embeddings} < --seq-length {m.seq_length}.")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
+        errors.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                      f"{t.micro_batch_size} x data-parallel size {dp} (= world {world_size} / (TP {tp} x PP {pp})).")
+    if t.fp16:
+        errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
+    if t.bf16 and t.fp32:
+        errors.append("--bf16 and --fp32 conflict: pick one.")
+    if t.train_iters < 1:
+        errors.append("--train-iters must be >= 1.")
+    if o.lr_decay_iters is None:
+        o.lr_decay_iters = t.train_iters
+    if o.min_lr > o.lr:
+        errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            errors.append(f"{_flag(name)} must be in [0, 1).")
+    d = cfg.data
+    if d.mock_data and (d.data_path or d.train_data_path):
+        errors.append("--mock-data conflicts with --data-path/--train-data-path: pick one.")
+    if d.data_path and (d.train_data_path or d.valid_data_path or d.test_data_path):
+        errors.append("--data-path conflicts with --train-data-path/--valid-data-path/--test-data-path.")
+    if p.ranks_per_node is not None and p.ranks_per_node < 1:
+        errors.append("--ranks-per-node must be >= 1.")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def num_microbatches(cfg: MegacoatConfig, dp: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
