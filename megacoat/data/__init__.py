@@ -1,0 +1,134 @@
+"""Data pipeline: tokenizers, Megatron indexed datasets, GPT samples, blending, DP-aware loading.
+
+The training loop needs two calls:
+
+    tokenizer = build_tokenizer(cfg.data)
+    iters = build_data_iterators(cfg, tokenizer, dp_rank=r, dp_size=d, consumed_samples=0)
+    batch = next(iters.train)   # tokens, labels, loss_mask, position_ids, attention_mask
+
+See megacoat/data/README.md for the modules and the exact semantics.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+from megacoat.data.batch import BatchBuilder
+from megacoat.data.dataset_builder import (DataConfigError, build_blend_dataset, build_mock_datasets,
+                                           build_split_datasets, index_cache_dir, parse_blend, samples_per_split)
+from megacoat.data.default_corpus import prepare_default_corpus
+from megacoat.data.sampler import GlobalOrderBatchSampler
+from megacoat.data.tokenizer import (GPTSentencePieceTokenizer, NullTokenizer, TokenizerError,
+                                     build_tokenizer_by_type, check_vocab_size)
+
+__all__ = ["build_tokenizer", "build_data_iterators", "DataIterators", "DataConfigError", "TokenizerError",
+           "check_vocab_size", "DEFAULT_MOCK_VOCAB_SIZE"]
+
+DEFAULT_MOCK_VOCAB_SIZE = 32000
+log = logging.getLogger("megacoat.data")
+
+
+def _uses_default_corpus(data_cfg) -> bool:
+    return not (data_cfg.mock_data or data_cfg.data_path or data_cfg.train_data_path)
+
+
+def build_tokenizer(data_cfg):
+    """The tokenizer named by the data flags (cfg.data).
+
+    No --tokenizer-type: with --mock-data, ids 0..V-1 with V = --vocab-size (default 32000) and
+    eod = V-1; otherwise the default corpus' SentencePiece model (trained and cached at first use).
+    """
+    if data_cfg.tokenizer_type is None:
+        if data_cfg.mock_data:
+            vocab = data_cfg.vocab_size or DEFAULT_MOCK_VOCAB_SIZE
+            if vocab < 2:
+                raise TokenizerError("--vocab-size must be >= 2 for --mock-data")
+            return NullTokenizer(vocab - 1)  # vocab_size == vocab, eod == vocab - 1
+        if not _uses_default_corpus(data_cfg):
+            raise TokenizerError("--data-path/--train-data-path need --tokenizer-type (and --tokenizer-model) "
+                                 "naming the tokenizer the data was preprocessed with")
+        corpus = prepare_default_corpus(data_cfg.data_cache_path, log=log.info)
+        return GPTSentencePieceTokenizer(corpus.tokenizer_model)
+    return build_tokenizer_by_type(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_size)
+
+
+@dataclass
+class DataIterators:
+    train: Optional[Iterator[Dict[str, Any]]]
+    valid: Optional[Iterator[Dict[str, Any]]]
+    test: Optional[Iterator[Dict[str, Any]]]
+    train_dataset: Any = None
+    valid_dataset: Any = None
+    test_dataset: Any = None
+
+
+def _build_datasets(cfg, tokenizer):
+    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
+    t = cfg.train
+    sizes = samples_per_split(t.train_iters, t.eval_interval, t.eval_iters, t.global_batch_size)
+    cache = index_cache_dir(d.data_cache_path)
+    if d.mock_data:
+        return build_mock_datasets(tokenizer.vocab_size, sizes, seq, seed)
+    if d.train_data_path or d.valid_data_path or d.test_data_path:
+        flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+        blends = [parse_blend(p, f) for p, f in zip((d.train_data_path, d.valid_data_path, d.test_data_path), flags)]
+        return [build_blend_dataset(b, name, n, seq, seed, cache, f)
+                for b, name, n, f in zip(blends, ("train", "valid", "test"), sizes, flags)]
+    if d.data_path:
+        blend = parse_blend(d.data_path)
+    else:
+        corpus = prepare_default_corpus(d.data_cache_path, log=log.info)
+        model = getattr(tokenizer, "model_file", None)
+        if model != corpus.tokenizer_model:
+            raise DataConfigError("the default corpus is tokenized with its own SentencePiece model; drop "
+                                  "--tokenizer-type/--tokenizer-model, or pass --data-path with data made by "
+                                  "tools/preprocess_data.py for your tokenizer")
+        blend = parse_blend([corpus.data_prefix])
+    return build_split_datasets(blend, d.split, sizes, seq, seed, cache)
+
+
+def _check_token_ids(dataset, vocab_size: int, what: str, probes: int = 4) -> None:
+    """Cheap guard against data made with another tokenizer: the first samples' ids must fit."""
+    for i in range(min(probes, len(dataset))):
+        top = int(np.max(dataset[i]))
+        if top >= vocab_size:
+            raise DataConfigError(
+                f"{what} data holds token id {top} but the tokenizer has {vocab_size} ids; the data was made with "
+                "another tokenizer: pass the --tokenizer-type/--tokenizer-model used by tools/preprocess_data.py")
+
+
+def _loader(dataset, sampler, collate, num_workers: int):
+    import torch
+
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                                       persistent_workers=num_workers > 0, pin_memory=False)
+
+
+def _lazy_iter(loader) -> Iterator:
+    """Starts the loader (and its worker processes) on the first next(), not at build time."""
+    yield from loader
+
+
+def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0) -> DataIterators:
+    """Micro-batch iterators for this data-parallel rank (see sampler.py for the order).
+
+    train stops after its samples; valid and test cycle forever (None when the split is empty).
+    """
+    train_ds, valid_ds, test_ds = _build_datasets(cfg, tokenizer)
+    collate = BatchBuilder(eod=tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss,
+                           reset_position_ids=cfg.data.reset_position_ids,
+                           reset_attention_mask=cfg.data.reset_attention_mask)
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    iters = []
+    for name, ds in (("train", train_ds), ("valid", valid_ds), ("test", test_ds)):
+        if ds is None:
+            iters.append(None)
+            continue
+        _check_token_ids(ds, tokenizer.vocab_size, name)
+        sampler = GlobalOrderBatchSampler(len(ds), consumed_samples if name == "train" else 0, mbs, gbs,
+                                          dp_rank, dp_size, cyclic=name != "train")
+        iters.append(_lazy_iter(_loader(ds, sampler, collate, cfg.data.num_workers)))
+    return DataIterators(*iters, train_dataset=train_ds, valid_dataset=valid_ds, test_dataset=test_ds)

@@ -1,0 +1,166 @@
+"""Flags -> train/valid/test datasets: blends, document splits and sample counts (Megatron rules).
+
+- `--data-path A` or `--data-path 0.3 A 0.7 B`: each prefix's documents are split by `--split`
+  (e.g. 949,50,1) into train/valid/test ranges; weighted prefixes are blended per split.
+- `--train-data-path/--valid-data-path/--test-data-path`: one (weighted) blend per split, no split.
+- Samples per split: train = train_iters * gbs; valid = (train_iters // eval_interval + 1) *
+  eval_iters * gbs; test = eval_iters * gbs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megacoat.data.blended_dataset import BlendedDataset, component_sizes, normalize_weights
+from megacoat.data.gpt_dataset import GPTDataset, MockGPTDataset
+from megacoat.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+
+SPLITS = ("train", "valid", "test")
+log = logging.getLogger("megacoat.data")
+
+
+class DataConfigError(ValueError):
+    """Data flags that cannot be satisfied (names the flags)."""
+
+
+@dataclass(frozen=True)
+class Blend:
+    prefixes: Tuple[str, ...]
+    weights: Optional[Tuple[float, ...]]  # None: unweighted (one prefix, or mixed by token count)
+
+
+def parse_blend(tokens: Sequence[str], flag: str = "--data-path") -> Optional[Blend]:
+    """'A' | 'A B' (unweighted: mixed in proportion to their tokens) | '0.3 A 0.7 B' (weighted)."""
+    words = [w for t in tokens for w in str(t).split()]
+    if not words:
+        return None
+    if not _is_number(words[0]):
+        if any(_is_number(w) for w in words):
+            raise DataConfigError(f"{flag} {' '.join(words)}: give either prefixes only, or pairs "
+                                  f"'WEIGHT PREFIX ...' (e.g. {flag} 0.3 A 0.7 B)")
+        return Blend(tuple(words), None)
+    if len(words) % 2:
+        raise DataConfigError(f"{flag} {' '.join(words)}: expected 'PREFIX' or pairs 'WEIGHT PREFIX ...'")
+    weights, prefixes = [], []
+    for w, p in zip(words[0::2], words[1::2]):
+        try:
+            weights.append(float(w))
+        except ValueError:
+            raise DataConfigError(f"{flag}: {w!r} is not a weight; give pairs 'WEIGHT PREFIX ...', e.g. "
+                                  f"{flag} 0.3 A 0.7 B") from None
+        prefixes.append(p)
+    try:
+        normalize_weights(weights)
+    except ValueError as e:
+        raise DataConfigError(f"{flag}: {e}") from None
+    return Blend(tuple(prefixes), tuple(weights))
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_split(split: str) -> List[float]:
+    """'949,50,1' -> normalized fractions for train, valid, test (missing ones are 0)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not parts or len(parts) > 3 or sum(parts) <= 0:
+        raise DataConfigError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 949,50,1")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_boundaries(fractions: Sequence[float], num_documents: int) -> List[int]:
+    """Document index where each split starts, plus the end (Megatron's rounding)."""
+    bounds = [0]
+    for f in fractions:
+        bounds.append(bounds[-1] + int(round(f * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    return [bounds[0]] + [b - excess for b in bounds[1:]]
+
+
+def samples_per_split(train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> List[int]:
+    evaluations = (train_iters // eval_interval + 1) if eval_interval else 1
+    return [train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
+            eval_iters * global_batch_size]
+
+
+def _open(prefix: str, flag: str) -> IndexedDataset:
+    try:
+        return IndexedDataset(prefix)
+    except IndexedDatasetError as e:
+        raise DataConfigError(f"{flag} {prefix}: {e}") from e
+
+
+def _gpt(indexed: IndexedDataset, begin: int, end: int, num_samples: int, split: str, seq_length: int, seed: int,
+         cache_dir: str) -> Optional[GPTDataset]:
+    if num_samples == 0 or end <= begin:
+        return None
+    documents = np.arange(begin, end, dtype=np.int32)
+    return GPTDataset(indexed, documents, seq_length, num_samples, seed, split, cache_dir, log=log.info)
+
+
+def _blend_of(parts: List[Optional[GPTDataset]], weights, size: int, what: str):
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise DataConfigError(f"{what}: some prefixes have no documents in this split; adjust --split or the blend")
+    if len(parts) == 1 and weights is None:
+        return parts[0]
+    return BlendedDataset(parts, weights, size)
+
+
+def build_split_datasets(blend: Blend, split: str, sizes: Sequence[int], seq_length: int, seed: int,
+                         cache_dir: str) -> List[Optional[object]]:
+    """Datasets for train/valid/test from one blend divided by --split."""
+    fractions = parse_split(split)
+    indexed = [_open(p, "--data-path") for p in blend.prefixes]
+    weights = _effective_weights(blend, indexed)
+    per_split: List[List[Optional[GPTDataset]]] = [[], [], []]
+    for k, ds in enumerate(indexed):
+        bounds = split_boundaries(fractions, len(ds))
+        for s in range(3):
+            n = sizes[s] if weights is None else component_sizes(sizes[s], weights)[k]
+            per_split[s].append(_gpt(ds, bounds[s], bounds[s + 1], n, SPLITS[s], seq_length, seed, cache_dir))
+    return [_blend_of(per_split[s], weights, sizes[s], f"--data-path/--split {split} ({SPLITS[s]})")
+            for s in range(3)]
+
+
+def _effective_weights(blend: Blend, indexed: List[IndexedDataset]):
+    """Normalized blend weights; unweighted lists mix in proportion to their tokens; None for one prefix."""
+    if blend.weights is not None:
+        return normalize_weights(blend.weights)
+    if len(indexed) == 1:
+        return None
+    return normalize_weights([ds.num_tokens for ds in indexed])
+
+
+def build_blend_dataset(blend: Optional[Blend], split_name: str, size: int, seq_length: int, seed: int,
+                        cache_dir: str, flag: str):
+    """One dataset from a whole (weighted) blend, no split (the --{split}-data-path flags)."""
+    if blend is None or size == 0:
+        return None
+    indexed = [_open(p, flag) for p in blend.prefixes]
+    weights = _effective_weights(blend, indexed)
+    sizes = [size] if weights is None else component_sizes(size, weights)
+    parts = [_gpt(ds, 0, len(ds), n, split_name, seq_length, seed, cache_dir) for ds, n in zip(indexed, sizes)]
+    return _blend_of(parts, weights, size, flag)
+
+
+def build_mock_datasets(vocab_size: int, sizes: Sequence[int], seq_length: int, seed: int):
+    # Different seeds per split, so validation is not the training data.
+    return [MockGPTDataset(vocab_size, seq_length, n, seed + s) if n else None for s, n in enumerate(sizes)]
+
+
+def index_cache_dir(data_cache_path: Optional[str]) -> str:
+    base = os.path.expanduser(data_cache_path or os.path.join("~", ".cache", "megacoat"))
+    return os.path.join(os.path.abspath(base), "index_cache")

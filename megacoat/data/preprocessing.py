@@ -1,0 +1,282 @@
+"""Raw text -> Megatron `.bin/.idx`: streaming input readers and a parallel, order-keeping encoder.
+
+Inputs are read as records (path, line number, raw text) by the main process; parsing and
+tokenizing happen in worker processes on batches; results come back in input order and are
+written by the main process. At most a few batches per worker are in flight, so memory stays
+flat however large the input is.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megacoat.data.indexed_dataset import IndexedDatasetBuilder, best_token_dtype
+from megacoat.data.tokenizer import build_tokenizer_by_type
+
+INPUT_FORMATS = ("auto", "jsonl", "text-lines", "text-files")
+
+
+@dataclass(frozen=True)
+class Record:
+    path: str
+    line: int          # 1-based line number; 0 for a whole file
+    raw: bytes
+
+
+class BadInputError(ValueError):
+    """A malformed input line (reported with file and line number)."""
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def expand_inputs(inputs: Sequence[str], suffixes: Optional[Sequence[str]] = None) -> List[str]:
+    """Files named, plus the files under named directories (sorted, recursively)."""
+    files = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs.sort()
+                found += [os.path.join(root, n) for n in sorted(names)
+                          if suffixes is None or n.endswith(tuple(suffixes))]
+            files += found
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"--input {path}: no such file or directory")
+    return files
+
+
+def detect_format(path: str) -> str:
+    return "jsonl" if path.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) else "text-lines"
+
+
+def _open(path: str):
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def read_records(files: Sequence[str], input_format: str) -> Iterator[Record]:
+    for path in files:
+        fmt = detect_format(path) if input_format == "auto" else input_format
+        if fmt == "text-files":
+            with _open(path) as f:
+                yield Record(path, 0, f.read())
+            continue
+        with _open(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                if fmt == "jsonl" and not line.strip():
+                    continue  # blank lines in JSONL are not documents
+                yield Record(path, lineno, line.rstrip(b"\r\n") if fmt == "text-lines" else line)
+
+
+def parse_record(record: Record, input_format: str, json_keys: Sequence[str]) -> Dict[str, str]:
+    """The text of each key of one record; raises BadInputError naming file and line."""
+    where = f"{record.path}:{record.line}" if record.line else record.path
+    try:
+        text = record.raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"{where}: not valid UTF-8 ({e})") from None
+    fmt = detect_format(record.path) if input_format == "auto" else input_format
+    if fmt != "jsonl":
+        return {key: text for key in json_keys}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise BadInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    out = {}
+    for key in json_keys:
+        if key not in obj:
+            raise BadInputError(f"{where}: missing key {key!r} (see --json-keys)")
+        if not isinstance(obj[key], str):
+            raise BadInputError(f"{where}: key {key!r} is {type(obj[key]).__name__}, expected a string")
+        out[key] = obj[key]
+    return out
+
+
+def batches(records: Iterable[Record], max_records: int = 256, max_bytes: int = 1 << 20) -> Iterator[List[Record]]:
+    batch, size = [], 0
+    for r in records:
+        batch.append(r)
+        size += len(r.raw)
+        if len(batch) >= max_records or size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# -- encoding (runs in workers) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    tokenizer_type: str
+    tokenizer_model: Optional[str]
+    vocab_size: Optional[int]
+    json_keys: Tuple[str, ...]
+    input_format: str
+    append_eod: bool
+    dtype: str
+
+
+@dataclass
+class EncodedBatch:
+    # per document: {key: tokens} or an error message; plus the input bytes for throughput
+    documents: List[object] = field(default_factory=list)
+    input_bytes: int = 0
+
+
+class Encoder:
+    def __init__(self, spec: EncoderSpec):
+        self.spec = spec
+        self.tokenizer = build_tokenizer_by_type(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size)
+        self.dtype = np.dtype(spec.dtype)
+
+    def encode(self, batch: List[Record]) -> EncodedBatch:
+        out = EncodedBatch(input_bytes=sum(len(r.raw) for r in batch))
+        parsed = []
+        for r in batch:
+            try:
+                parsed.append(parse_record(r, self.spec.input_format, self.spec.json_keys))
+            except BadInputError as e:
+                parsed.append(str(e))
+        ok = [p for p in parsed if isinstance(p, dict)]
+        by_key = {}
+        for key in self.spec.json_keys:
+            texts = [p[key] for p in ok]
+            batch_fn = getattr(self.tokenizer, "tokenize_batch", None)
+            by_key[key] = iter(batch_fn(texts) if batch_fn else [self.tokenizer.tokenize(t) for t in texts])
+        for p in parsed:
+            if isinstance(p, str):
+                out.documents.append(p)
+                continue
+            doc = {}
+            for key in self.spec.json_keys:
+                ids = list(next(by_key[key]))
+                if ids and self.spec.append_eod:  # Megatron: empty documents get no eod
+                    ids.append(self.tokenizer.eod)
+                doc[key] = np.asarray(ids, dtype=self.dtype)
+            out.documents.append(doc)
+        return out
+
+
+_worker_encoder: Optional[Encoder] = None
+
+
+def _init_worker(spec: EncoderSpec) -> None:
+    global _worker_encoder  # per-process state of a pool worker (not shared)
+    _worker_encoder = Encoder(spec)
+
+
+def _encode_in_worker(batch: List[Record]) -> EncodedBatch:
+    return _worker_encoder.encode(batch)
+
+
+def ordered_parallel_map(spec: EncoderSpec, work: Iterable[List[Record]], workers: int,
+                         in_flight_per_worker: int = 4) -> Iterator[EncodedBatch]:
+    """Encode batches in worker processes, yielding results in input order, bounded in flight."""
+    if workers <= 1:
+        encoder = Encoder(spec)
+        for batch in work:
+            yield encoder.encode(batch)
+        return
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        pending = deque()
+        for batch in work:
+            pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+            if len(pending) >= workers * in_flight_per_worker:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# -- the whole job -----------------------------------------------------------------------------
+
+@dataclass
+class PreprocessResult:
+    outputs: Dict[str, str]        # key -> output prefix
+    documents: int
+    bad_lines: int
+    input_bytes: int
+    tokens: int
+    seconds: float
+
+
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    return f"{output_prefix}_{key}_{level}"
+
+
+def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, tokenizer_model: Optional[str] = None,
+               vocab_size: Optional[int] = None, json_keys: Sequence[str] = ("text",), input_format: str = "auto",
+               append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
+               progress: bool = True, log_interval: int = 1000, output_names: Optional[Dict[str, str]] = None,
+               report: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> PreprocessResult:
+    """Tokenize `files` into one `.bin/.idx` dataset per JSON key. Returns what was written."""
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"unknown input format {input_format!r}: choose one of {', '.join(INPUT_FORMATS)}")
+    tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size)  # fail fast, in the main process
+    dtype = best_token_dtype(tokenizer.vocab_size)
+    spec = EncoderSpec(tokenizer_type, tokenizer_model, vocab_size, tuple(json_keys), input_format, append_eod,
+                       dtype.str)
+    prefixes = {k: (output_names or {}).get(k) or output_prefix_for(output_prefix, k) for k in json_keys}
+    builders = {k: IndexedDatasetBuilder(p, dtype=dtype) for k, p in prefixes.items()}
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
+                   file=sys.stderr, mininterval=0.5)
+    docs = bad = tokens = seen_bytes = 0
+    next_log = log_interval
+    t0 = time.perf_counter()
+    try:
+        for result in ordered_parallel_map(spec, batches(read_records(files, input_format)), workers):
+            for doc in result.documents:
+                if isinstance(doc, str):
+                    bad += 1
+                    if not skip_bad_lines:
+                        raise BadInputError(f"{doc}\n(pass --skip-bad-lines to skip malformed lines)")
+                    if bad <= 10:
+                        report(f"skipping bad line: {doc}")
+                    continue
+                for key, ids in doc.items():
+                    builders[key].add_document(ids, [len(ids)] if len(ids) else [])
+                    tokens += len(ids)
+                docs += 1
+            seen_bytes += result.input_bytes
+            if bar is not None:
+                bar.update(result.input_bytes)
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(docs=docs, docs_per_s=f"{docs / max(elapsed, 1e-9):.0f}", refresh=False)
+            elif log_interval and docs >= next_log:
+                elapsed = time.perf_counter() - t0
+                report(f"processed {docs} documents ({docs / elapsed:.1f} docs/s, "
+                       f"{seen_bytes / elapsed / 1e6:.2f} MB/s)")
+                next_log = docs + log_interval
+        for b in builders.values():
+            b.finalize()
+    except BaseException:
+        for b in builders.values():
+            b.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if bad:
+        report(f"skipped {bad} bad line(s)")
+    return PreprocessResult(prefixes, docs, bad, seen_bytes, tokens, time.perf_counter() - t0)
