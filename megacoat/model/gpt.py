@@ -1,0 +1,95 @@
+"""GPT model: vocab-parallel embedding -> transformer layers -> final norm -> vocab-parallel logits/loss."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbedding, register_replicated
+from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
+                                 reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
+from ..parallel.random import param_generator
+from .rope import RotaryEmbedding
+from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: a multiple of divisible_by * TP, so every TP shard is equal and aligned."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, m: ModelConfig, lc: LayerContext, vocab_size: int, padded_vocab: int,
+                 compile_layers: bool = False):
+        super().__init__()
+        self.m, self.lc = m, lc
+        self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
+        self.tied = not m.untie_embeddings_and_output_weights
+        init = InitSpec(lc.seed, m.init_method_std, valid_rows=vocab_size)
+        self.embedding = VocabParallelEmbedding(padded_vocab, m.hidden_size, tp_group=lc.tp_group,
+                                                name="embedding.word_embeddings", init=init,
+                                                dtype=lc.dtype, device=lc.device)
+        self.position_embedding = None
+        self.rope = None
+        if m.position_embedding_type == "learned_absolute":
+            w = torch.empty(m.max_position_embeddings, m.hidden_size, device=lc.device, dtype=torch.float32)
+            w.normal_(0.0, m.init_method_std,
+                      generator=param_generator(lc.seed, "embedding.position_embeddings.weight", lc.device))
+            self.position_embedding = register_replicated(nn.Parameter(w.to(lc.dtype)),
+                                                          "embedding.position_embeddings.weight")
+        else:
+            self.rope = RotaryEmbedding(m.kv_channels, m.max_position_embeddings, m.rotary_base, device=lc.device)
+        self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in range(m.num_layers))
+        self.final_norm = Norm(m, lc, "final_norm")
+        self.output_layer = ColumnParallelLinear(m.hidden_size, padded_vocab, tp_group=lc.tp_group, name="output_layer",
+                                                 init=init, sequence_parallel=lc.sequence_parallel,
+                                                 dtype=lc.dtype, device=lc.device, skip_weight=self.tied)
+        if compile_layers:
+            for layer in self.layers:
+                layer.compile()
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under SP)."""
+        x = self.embedding(tokens).transpose(0, 1).contiguous()
+        if self.lc.sequence_parallel:
+            x = reduce_scatter_to_sequence_parallel_region(x, self.lc.tp_group)
+        else:
+            x = reduce_from_tp_region(x, self.lc.tp_group)
+        if self.position_embedding is not None:
+            pos = F.embedding(position_ids, self.position_embedding).transpose(0, 1)
+            if self.lc.sequence_parallel:
+                pos = scatter_to_sequence_parallel_region(pos, self.lc.tp_group)
+            x = x + pos
+        p = self.m.hidden_dropout
+        if self.training and p > 0:
+            with _dropout_region(self.lc, inside_tp=False, p=p):
+                x = F.dropout(x, p, training=True)
+        return x
+
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
+        """With labels: per-token loss [b, s] (fp32). Without: full logits [b, s, vocab] (gathered over TP)."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        x = self.embed(tokens, position_ids)
+        rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
+        for layer in self.layers:
+            x = layer(x, rope, attention_mask)
+        x = self.final_norm(x)
+        logits = self.output_layer(x, weight=self.embedding.weight if self.tied else None)  # [s, b, V/tp]
+        if labels is None:
+            full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)
+            return full[..., : self.vocab_size]
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
+        return loss.transpose(0, 1)
+
+    def num_parameters(self) -> int:
+        """Parameters of the full model (all TP shards; padded vocabulary)."""
+        tp = group_size(self.lc.tp_group)
+        return sum(p.numel() * (tp if p.tensor_model_parallel else 1) for p in self.parameters())

@@ -1,0 +1,153 @@
+"""Transformer layer: norm -> attention -> residual -> norm -> MLP -> residual, on [s, b, h].
+
+Llama-style by default (RMSNorm, RoPE, SwiGLU, optional grouped-query attention, no biases);
+GPT-2 style with LayerNorm, GELU (tanh approximation, as GPT-2) and biases.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.layers import ColumnParallelLinear, InitSpec, RowParallelLinear, mark_sequence_parallel, register_replicated
+from ..parallel.mappings import group_size
+from ..parallel.random import RNGTracker
+from .rope import apply_rotary
+
+
+@dataclass
+class LayerContext:
+    """What every layer needs besides its own config: groups, RNG, dtype, device."""
+
+    tp_group: object
+    sequence_parallel: bool
+    rng: Optional[RNGTracker]
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+
+
+class Norm(nn.Module):
+    def __init__(self, m: ModelConfig, lc: LayerContext, name: str):
+        super().__init__()
+        self.kind, self.eps, self.shape = m.normalization, m.norm_epsilon, (m.hidden_size,)
+        self.weight = register_replicated(nn.Parameter(torch.ones(m.hidden_size, dtype=lc.dtype, device=lc.device)),
+                                          f"{name}.weight")
+        self.bias = None
+        if self.kind == "LayerNorm":
+            self.bias = register_replicated(nn.Parameter(torch.zeros(m.hidden_size, dtype=lc.dtype, device=lc.device)),
+                                            f"{name}.bias")
+        if lc.sequence_parallel:
+            mark_sequence_parallel(self)
+
+    def forward(self, x):
+        if self.kind == "RMSNorm":
+            # fp32 statistics, output in the input dtype (as Megatron/Llama).
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return y.to(x.dtype) * self.weight
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+
+def _dropout_region(lc: LayerContext, inside_tp: bool, p: float):
+    """The model-parallel RNG stream where TP ranks hold different data, else the default one."""
+    if p > 0 and lc.rng is not None and (inside_tp or lc.sequence_parallel) and group_size(lc.tp_group) > 1:
+        return lc.rng.fork()
+    return contextlib.nullcontext()
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, m: ModelConfig, lc: LayerContext, name: str, layer_number: int):
+        super().__init__()
+        tp = group_size(lc.tp_group)
+        self.lc, self.m = lc, m
+        self.head_dim = m.kv_channels
+        self.heads_local = m.num_attention_heads // tp
+        self.groups_local = m.num_query_groups // tp
+        self.q_per_group = m.num_attention_heads // m.num_query_groups
+        qkv_out = m.num_query_groups * (self.q_per_group + 2) * self.head_dim
+        std = m.init_method_std
+        # QKV rows are laid out per query group: [q heads of the group, k, v] (Megatron's layout),
+        # so a contiguous TP split hands each rank whole groups.
+        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, tp_group=lc.tp_group, name=f"{name}.qkv",
+                                        init=InitSpec(lc.seed, std), bias=m.add_bias_linear,
+                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device)
+        self.proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, tp_group=lc.tp_group,
+                                      name=f"{name}.proj", init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
+                                      bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
+                                      dtype=lc.dtype, device=lc.device)
+
+    def forward(self, x, rope, attention_mask):
+        s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
+        qkv = self.qkv(x).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
+        k = qkv[:, :, :, self.q_per_group]
+        v = qkv[:, :, :, self.q_per_group + 1]
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [s, b, n, d] -> [b, n, s, d] for SDPA.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        p = self.m.attention_dropout if self.training else 0.0
+        with _dropout_region(self.lc, inside_tp=True, p=p):
+            if attention_mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
+        o = o.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelConfig, lc: LayerContext, name: str):
+        super().__init__()
+        self.swiglu = m.activation == "swiglu"
+        ffn = m.ffn_hidden_size
+        std = m.init_method_std
+        blocks = [ffn, ffn] if self.swiglu else [ffn]  # [gate; up] each split over TP
+        self.fc1 = ColumnParallelLinear(m.hidden_size, sum(blocks), tp_group=lc.tp_group, name=f"{name}.fc1",
+                                        init=InitSpec(lc.seed, std), bias=m.add_bias_linear, partition_sizes=blocks,
+                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device)
+        self.fc2 = RowParallelLinear(ffn, m.hidden_size, tp_group=lc.tp_group, name=f"{name}.fc2",
+                                     init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
+                                     bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
+                                     dtype=lc.dtype, device=lc.device)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, m: ModelConfig, lc: LayerContext, layer_number: int):
+        super().__init__()
+        name = f"layers.{layer_number}"
+        self.lc, self.hidden_dropout = lc, m.hidden_dropout
+        self.input_norm = Norm(m, lc, f"{name}.input_norm")
+        self.attention = SelfAttention(m, lc, f"{name}.attention", layer_number)
+        self.post_attention_norm = Norm(m, lc, f"{name}.post_attention_norm")
+        self.mlp = MLP(m, lc, f"{name}.mlp")
+
+    def _residual_dropout(self, h, residual):
+        if self.training and self.hidden_dropout > 0:
+            with _dropout_region(self.lc, inside_tp=False, p=self.hidden_dropout):
+                h = F.dropout(h, self.hidden_dropout, training=True)
+        return residual + h
+
+    def forward(self, x, rope=None, attention_mask=None):
+        x = self._residual_dropout(self.attention(self.input_norm(x), rope, attention_mask), x)
+        return self._residual_dropout(self.mlp(self.post_attention_norm(x)), x)

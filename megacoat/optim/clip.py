@@ -1,0 +1,34 @@
+"""Global gradient norm over all parallel groups, and clipping."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group) -> torch.Tensor:
+    """L2 norm of the full model's gradient, as a 0-dim fp32 tensor on every rank.
+
+    `counted[i]` is False for a tensor-parallel duplicate on TP ranks other than 0, so that
+    duplicated parameters (norms, biases of row-parallel layers) are counted once. The sum of
+    squares is all-reduced over the model-parallel group (TP x PP); DP ranks already hold the
+    same averaged gradient.
+    """
+    mine = [g for g, c in zip(grads, counted) if c]
+    if mine:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in mine])
+        sq = torch.stack(norms).pow(2).sum()
+    else:
+        device = grads[0].device if grads else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    if mp_group is not None and dist.get_world_size(mp_group) > 1:
+        dist.all_reduce(sq, group=mp_group)
+    return sq.sqrt()
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Megatron's: scale = max_norm / (norm + 1e-6), applied only when below 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,120 @@
+"""The optimizer interface of the training loop, and its non-sharded implementation.
+
+The loop only calls:
+    opt.zero_grad()                      before the first micro-batch of a step
+    result = opt.step(lr)                after the last micro-batch's backward:
+                                         grad sync -> grad norm -> clip -> AdamW -> param sync
+    opt.memory_report() / state_dict() / load_state_dict()
+so the ZeRO distributed optimizer can replace `MixedPrecisionAdamW` behind the same calls.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.plain import CommStats, PlainAllReduce
+from ..config import OptimizerConfig
+from ..parallel.context import ParallelContext
+from .buffers import GradBuffer
+from .clip import clip_coefficient, global_grad_norm
+
+
+@dataclass
+class StepResult:
+    success: bool           # False: non-finite gradient norm, step skipped
+    grad_norm: float
+    comm_bytes: dict
+
+
+def param_groups(params: List[nn.Parameter], weight_decay: float):
+    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors)."""
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+class MixedPrecisionAdamW:
+    """AdamW on an fp32 master copy of every parameter, gradients all-reduced over DP.
+
+    Model parameters may be bf16 (the compute copy) or fp32 (then the master is the parameter
+    itself). Gradients accumulate in the fp32 `GradBuffer`.
+    """
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, ctx: ParallelContext,
+                 grad_dtype: torch.dtype = torch.float32):
+        self.cfg, self.ctx = cfg, ctx
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_buffer = GradBuffer(self.params, grad_dtype)
+        self.masters = [p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+                        for p in self.params]
+        self.stats = CommStats()
+        self.comm = PlainAllReduce(ctx.dp_group, self.stats)
+        self.counted = [bool(getattr(p, "tensor_model_parallel", False)) or ctx.tp_rank == 0 for p in self.params]
+        self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        on_gpu = self.params[0].is_cuda
+        self.opt = torch.optim.AdamW(param_groups(self.masters, cfg.weight_decay), lr=cfg.lr,
+                                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                     **({"fused": True} if on_gpu else {"foreach": True}))
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero()
+
+    def _sync_sequence_parallel_grads(self) -> None:
+        """Norm weights see only their sequence shard under SP: sum their grads over TP."""
+        if not self.sp_params or self.ctx.tp_size == 1:
+            return
+        flat = torch.cat([p.main_grad.reshape(-1) for p in self.sp_params])
+        dist.all_reduce(flat, group=self.ctx.tp_group)
+        offset = 0
+        for p in self.sp_params:
+            p.main_grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        self._sync_sequence_parallel_grads()
+        self.comm.reduce_grads(self.grad_buffer.data)
+        grads = [p.main_grad for p in self.params]
+        norm = global_grad_norm(grads, self.counted, self.ctx.mp_group).item()
+        if not math.isfinite(norm):
+            return StepResult(False, norm, self.stats.pop())
+        coeff = clip_coefficient(norm, self.cfg.clip_grad)
+        if coeff < 1.0:
+            self.grad_buffer.data.mul_(coeff)
+        for m, g in zip(self.masters, grads):
+            m.grad = g if g.dtype == torch.float32 else g.float()
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            m.grad = None
+            if p is not m:
+                p.copy_(m)
+        return StepResult(True, norm, self.stats.pop())
+
+    def memory_report(self) -> dict:
+        """Bytes per parameter held by this rank for each kind of model state."""
+        n = sum(p.numel() for p in self.params)
+        weights = sum(p.numel() * p.element_size() for p in self.params)
+        master = sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
+        states = 2 * 4 * n
+        grads = self.grad_buffer.data.numel() * self.grad_buffer.data.element_size()
+        return {"params": n, "weights": weights / n, "grads": grads / n, "master": master / n,
+                "optimizer_states": states / n}
+
+    def state_dict(self) -> dict:
+        return {"adam": self.opt.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd["adam"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.masters, sd["masters"]):
+                m.copy_(saved)
+                if p is not m:
+                    p.copy_(m)

@@ -1,0 +1,150 @@
+"""ParallelContext: the rank grid (pp, dp, tp) and its process groups.
+
+Rank layout (Megatron's): TP is innermost (fastest-varying), then DP, then PP:
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+Data-parallel ranks are further split for two-level communication: the DP ranks whose
+global ranks sit on one node form the intra-node group; DP ranks with the same position
+inside their node, across nodes, form the inter-node group. The node size comes from
+LOCAL_WORLD_SIZE (torchrun) or --ranks-per-node, so nodes can be emulated on one host.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
+    """All groups of the grid as lists of global ranks (pure function, testable without processes)."""
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} not divisible by tp*pp={tp * pp}")
+    dp = world_size // (tp * pp)
+    groups: Dict[str, List[List[int]]] = {"tp": [], "dp": [], "pp": [], "mp": [], "tp_dp": []}
+    for p in range(pp):
+        base = p * dp * tp
+        for d in range(dp):
+            groups["tp"].append([base + d * tp + t for t in range(tp)])
+        for t in range(tp):
+            groups["dp"].append([base + d * tp + t for d in range(dp)])
+        groups["tp_dp"].append(list(range(base, base + dp * tp)))
+    for d in range(dp):
+        for t in range(tp):
+            groups["pp"].append([p * dp * tp + d * tp + t for p in range(pp)])
+    for d in range(dp):  # model-parallel group: all TP and PP ranks of one model replica
+        groups["mp"].append(sorted(p * dp * tp + d * tp + t for p in range(pp) for t in range(tp)))
+    return groups
+
+
+def two_level_dp_groups(dp_group: List[int], ranks_per_node: int):
+    """Split one DP group into intra-node groups and inter-node groups by node membership.
+
+    Returns (intra, inter): lists of rank lists. Intra: DP ranks sharing a node. Inter: the
+    i-th DP rank of every node. Every node must hold the same number of this group's ranks,
+    otherwise two-level communication cannot be symmetric and we raise.
+    """
+    by_node: Dict[int, List[int]] = {}
+    for r in dp_group:
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    sizes = {len(v) for v in by_node.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"DP group {dp_group} is spread unevenly over nodes of {ranks_per_node} ranks; "
+                         "choose --ranks-per-node so every node holds the same number of DP ranks.")
+    intra = [by_node[n] for n in sorted(by_node)]
+    per_node = sizes.pop()
+    inter = [[intra[n][i] for n in range(len(intra))] for i in range(per_node)]
+    return intra, inter
+
+
+@dataclass
+class ParallelContext:
+    """Process groups and coordinates of this rank. Passed explicitly; there is no global copy."""
+
+    world_size: int = 1
+    rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    ranks_per_node: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: Optional[object] = None
+    pp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+    mp_group: Optional[object] = None
+    dp_intra_group: Optional[object] = None
+    dp_inter_group: Optional[object] = None
+    dp_intra_size: int = 1
+    dp_inter_size: int = 1
+    tp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_ranks: List[int] = field(default_factory=lambda: [0])
+    pp_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "ParallelContext":
+        return cls(device=device or torch.device("cpu"))
+
+    @classmethod
+    def build(cls, tp: int, pp: int, device: torch.device, ranks_per_node: Optional[int] = None) -> "ParallelContext":
+        """Create every group. Must be called on all ranks after init_process_group (or alone, world 1)."""
+        if not dist.is_initialized():
+            if tp * pp != 1:
+                raise ValueError("tensor/pipeline parallel sizes > 1 need torch.distributed (launch with torchrun)")
+            return cls.single(device)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        grid = rank_grid(world, tp, pp)
+        rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
+                  ranks_per_node=rpn, device=device)
+        # new_group must be called by every rank for every group, in the same order.
+        for kind in ("tp", "dp", "pp", "mp"):
+            for ranks in grid[kind]:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    setattr(ctx, f"{kind}_group", g)
+                    if kind in ("tp", "dp", "pp"):
+                        setattr(ctx, f"{kind}_ranks", ranks)
+                        setattr(ctx, f"{kind}_rank", ranks.index(rank))
+        for dp_ranks in grid["dp"]:
+            intra, inter = two_level_dp_groups(dp_ranks, rpn)
+            for kind, lists in (("intra", intra), ("inter", inter)):
+                for ranks in lists:
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        setattr(ctx, f"dp_{kind}_group", g)
+                        setattr(ctx, f"dp_{kind}_size", len(ranks))
+        return ctx
+
+
+def init_distributed(backend: str = "auto", timeout_minutes: int = 10, use_cpu: bool = False) -> torch.device:
+    """Initialise torch.distributed from torchrun's environment (no-op for a single process).
+
+    Returns the device this rank computes on.
+    """
+    on_gpu = torch.cuda.is_available() and not use_cpu
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if on_gpu else "gloo"
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    return device

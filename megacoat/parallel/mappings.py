@@ -1,0 +1,187 @@
+"""Autograd communication regions for tensor and sequence parallelism (Megatron semantics).
+
+Each function takes the process group explicitly. With a group of size 1 (or None) every
+region is the identity, so single-process code takes the same path.
+
+Last-dim regions split/gather the hidden dimension; sequence regions act on dim 0, the
+sequence dimension of our [s, b, h] activations.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n,) + x.shape, dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} not divisible by TP size {n}")
+    return x.chunk(n, dim=0)[group_rank(group)].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * n,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.group), None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence; backward reduce-scatters (the consumer is TP-split)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_first(g, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.group), None
+
+
+def copy_to_tp_region(x, group):
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
+    return x if group_size(group) == 1 else _Copy.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    """All-reduce forward (output of a row-parallel layer), identity backward."""
+    return x if group_size(group) == 1 else _Reduce.apply(x, group)
+
+
+def scatter_to_tp_region(x, group):
+    """Keep this rank's slice of the last dim; backward gathers."""
+    return x if group_size(group) == 1 else _ScatterLast.apply(x, group)
+
+
+def gather_from_tp_region(x, group):
+    """Gather the last dim from all TP ranks; backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _GatherLast.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """Keep this rank's sequence shard (dim 0); backward gathers."""
+    return x if group_size(group) == 1 else _ScatterSeq.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    """All-gather sequence shards before a column-parallel layer; backward reduce-scatters."""
+    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """Reduce-scatter the output of a row-parallel layer into sequence shards; backward gathers."""
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)

@@ -1,0 +1,182 @@
+"""The training loop: config -> context -> model -> optimizer -> data -> steps, logs, evaluation.
+
+One loop for every method: precision, communication and optimizer variants are chosen by
+flags and plug in behind `GPTModel` and the optimizer interface (`megacoat.optim.optimizer`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import MegacoatConfig, num_microbatches, validate_config
+from ..data import build_data_iterators, build_tokenizer
+from ..model.flops import flops_per_token
+from ..model.gpt import GPTModel, padded_vocab_size
+from ..model.loss import masked_mean_loss
+from ..model.transformer import LayerContext
+from ..optim.lr_scheduler import LRScheduler
+from ..optim.optimizer import MixedPrecisionAdamW
+from ..parallel.context import ParallelContext, init_distributed
+from ..parallel.random import seed_everything
+from ..precision.recipe import resolve_precision
+from .log import IterationLogger, print_config
+from .throughput import default_peak_tflops
+
+
+@dataclass
+class StepRecord:
+    iteration: int
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    history: List[StepRecord] = field(default_factory=list)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+class Trainer:
+    """Builds everything from a config and runs training. Tests use its pieces directly."""
+
+    def __init__(self, cfg: MegacoatConfig, *, log_stream=None):
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        validate_config(cfg, world)  # before any allocation
+        self.cfg = cfg
+        self.device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes,
+                                       cfg.train.use_cpu)
+        self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
+                                         cfg.parallel.pipeline_model_parallel_size, self.device,
+                                         cfg.parallel.ranks_per_node)
+        self.recipe = resolve_precision(cfg.train, self.device)
+        self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.device)
+        self.tokenizer = build_tokenizer(cfg.data)
+        m = cfg.model
+        self.padded_vocab = padded_vocab_size(self.tokenizer.vocab_size, m.make_vocab_size_divisible_by,
+                                              self.ctx.tp_size)
+        compile_layers = cfg.train.torch_compile
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda"
+        lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
+                          self.device, cfg.train.seed)
+        self.model = GPTModel(m, lc, self.tokenizer.vocab_size, self.padded_vocab, compile_layers=compile_layers)
+        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optim, self.ctx, self.recipe.grad_dtype)
+        self.scheduler = LRScheduler(cfg.optim, cfg.train.train_iters)
+        self.num_micro = num_microbatches(cfg, self.ctx.dp_size)
+        self.state = TrainState()
+        self.flops_per_iter = flops_per_token(m, self.padded_vocab, m.seq_length) * \
+            cfg.train.global_batch_size * m.seq_length
+        peak = cfg.logging.peak_tflops or default_peak_tflops(self.device, self.recipe.name)
+        self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.name, peak,
+                                      stream=log_stream or sys.stdout)
+        self._iters = None
+
+    # ----------------------------------------------------------------------------------- data
+    def data_iterators(self):
+        if self._iters is None:
+            self._iters = build_data_iterators(self.cfg, self.tokenizer, self.ctx.dp_rank, self.ctx.dp_size,
+                                               consumed_samples=self.state.consumed_samples)
+        return self._iters
+
+    # ---------------------------------------------------------------------------------- steps
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches; returns this rank's mean loss (device)."""
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for batch in micro_batches:
+            b = _to_device(batch, self.device)
+            per_token = self.model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
+            loss = masked_mean_loss(per_token, b["loss_mask"])
+            (loss / self.num_micro).backward()
+            total += loss.detach()
+        return total / self.num_micro
+
+    def train_step(self, micro_batches) -> StepRecord:
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(micro_batches)
+        lr = self.scheduler.step()
+        result = self.optimizer.step(lr)
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(loss, group=self.ctx.dp_group)
+            loss /= self.ctx.dp_size
+        st = self.state
+        st.iteration += 1
+        st.consumed_samples += self.cfg.train.global_batch_size
+        if not result.success:
+            st.skipped_iters += 1
+            st.nan_iters += int(math.isnan(result.grad_norm))
+        rec = StepRecord(st.iteration, loss.item(), result.grad_norm, lr, not result.success)
+        st.history.append(rec)
+        self.logger.record_step(rec, result.comm_bytes)
+        return rec
+
+    def _next_micro_batches(self, it):
+        return [next(it) for _ in range(self.num_micro)]
+
+    @torch.no_grad()
+    def evaluate(self, it, num_iters: int) -> float:
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for _ in range(num_iters):
+            for batch in self._next_micro_batches(it):
+                b = _to_device(batch, self.device)
+                per_token = self.model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
+                total += masked_mean_loss(per_token, b["loss_mask"])
+        total /= num_iters * self.num_micro
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(total, group=self.ctx.dp_group)
+            total /= self.ctx.dp_size
+        self.model.train()
+        return total.item()
+
+    def train(self, on_step: Optional[Callable[["Trainer", StepRecord], None]] = None) -> TrainState:
+        cfg = self.cfg
+        print_config(cfg, self.ctx, self.recipe.name, self.device, self.model, self.padded_vocab,
+                     self.tokenizer.vocab_size, self.optimizer.memory_report(), self.logger)
+        iters = self.data_iterators()
+        self.logger.start()
+        while self.state.iteration < cfg.train.train_iters:
+            rec = self.train_step(self._next_micro_batches(iters.train))
+            self.logger.maybe_log(self.state, self.flops_per_iter)
+            if on_step is not None:
+                on_step(self, rec)
+            it = self.state.iteration
+            if cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and iters.valid is not None \
+                    and it < cfg.train.train_iters:
+                self.logger.log_eval(it, self.evaluate(iters.valid, cfg.train.eval_iters))
+            if cfg.train.exit_interval and it % cfg.train.exit_interval == 0:
+                self.logger.info(f"exiting at iteration {it} (--exit-interval {cfg.train.exit_interval})")
+                break
+        if iters.valid is not None and cfg.train.eval_iters > 0:
+            self.logger.log_eval(self.state.iteration, self.evaluate(iters.valid, cfg.train.eval_iters))
+        self.logger.finish()
+        return self.state
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def pretrain(cfg: MegacoatConfig, **kwargs) -> TrainState:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train(**kwargs)
+    finally:
+        trainer.close()
