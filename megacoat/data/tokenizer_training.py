@@ -51,7 +51,8 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
         spm.SentencePieceTrainer.train(sentence_iterator=sentences_within_budget(documents, byte_budget),
                                        model_writer=proto, **options)
     except RuntimeError as e:
-        raise RuntimeError(f"SentencePiece training failed ({e}); with little text, lower the vocabulary size") from e
+        raise RuntimeError(f"SentencePiece training failed: {e}\n(--vocab-size must exceed the required characters "
+                           "plus 256 byte pieces with byte fallback; with little text, use a smaller vocabulary)") from e
     os.makedirs(os.path.dirname(os.path.abspath(output_model)), exist_ok=True)
     tmp = f"{output_model}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
