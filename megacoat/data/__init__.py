@@ -16,7 +16,6 @@ from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 
-from megacoat.data.batch import BatchBuilder
 from megacoat.data.dataset_builder import (DataConfigError, build_blend_dataset, build_mock_datasets,
                                            build_split_datasets, index_cache_dir, parse_blend, samples_per_split)
 from megacoat.data.default_corpus import prepare_default_corpus
@@ -117,6 +116,8 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
 
     train stops after its samples; valid and test cycle forever (None when the split is empty).
     """
+    from megacoat.data.batch import BatchBuilder  # torch is imported here, not by the preprocessing tools
+
     train_ds, valid_ds, test_ds = _build_datasets(cfg, tokenizer)
     collate = BatchBuilder(eod=tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss,
                            reset_position_ids=cfg.data.reset_position_ids,

@@ -1,0 +1,130 @@
+"""tools/train_tokenizer.py and tools/preprocess_data.py end to end, on the default corpus' text."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megacoat.data.default_corpus import stdlib_source_files
+from megacoat.data.indexed_dataset import IndexedDataset
+from megacoat.data.tokenizer import GPTSentencePieceTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_tool(name, *args, ok=True):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A slice of the default corpus (stdlib sources) as files, JSONL and a trained model."""
+    tmp = tmp_path_factory.mktemp("tools")
+    files = [f for f in stdlib_source_files() if f"{os.sep}json{os.sep}" in f or f"{os.sep}email{os.sep}" in f]
+    texts = [open(f, encoding="utf-8").read() for f in files]
+    jsonl = tmp / "corpus.jsonl"
+    with open(jsonl, "w") as f:
+        for path, text in zip(files, texts):
+            f.write(json.dumps({"text": text, "path": path}) + "\n")
+    model = tmp / "tok.model"
+    run_tool("train_tokenizer.py", "--input", jsonl, "--output-model", model, "--vocab-size", 1000, "--threads", 2)
+    return dict(tmp=tmp, files=files, texts=texts, jsonl=jsonl, model=str(model))
+
+
+def read_documents(prefix):
+    ds = IndexedDataset(prefix)
+    return ds, [np.concatenate(ds.document(i)) if ds.document(i) else np.zeros(0) for i in range(ds.num_documents)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jsonl_round_trip(corpus, workers):
+    out = corpus["tmp"] / f"w{workers}"
+    proc = run_tool("preprocess_data.py", "--input", corpus["jsonl"], "--json-keys", "text", "path",
+                    "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer",
+                    "--tokenizer-model", corpus["model"], "--append-eod", "--workers", workers, "--log-interval", 10)
+    assert "MB/s" in proc.stderr
+    tok = GPTSentencePieceTokenizer(corpus["model"])
+    ds, docs = read_documents(f"{out}_text_document")
+    assert ds.dtype == np.uint16 and len(docs) == len(corpus["texts"])
+    for ids, text in zip(docs, corpus["texts"]):
+        if not text:  # empty __init__.py: an empty document, no eod (Megatron)
+            assert len(ids) == 0
+            continue
+        assert ids[-1] == tok.eod and tok.detokenize(ids[:-1].tolist()) == text
+    _, paths = read_documents(f"{out}_path_document")
+    assert [tok.detokenize(p[:-1].tolist()) for p in paths] == corpus["files"]  # a second key
+
+
+def test_workers_write_identical_files(corpus):
+    if not os.path.exists(f"{corpus['tmp']}/w1_text_document.bin") or \
+            not os.path.exists(f"{corpus['tmp']}/w2_text_document.bin"):
+        pytest.skip("needs test_jsonl_round_trip outputs")
+    for ext in (".bin", ".idx"):
+        a = open(f"{corpus['tmp']}/w1_text_document{ext}", "rb").read()
+        assert a == open(f"{corpus['tmp']}/w2_text_document{ext}", "rb").read()
+
+
+def test_text_files_and_text_lines(corpus):
+    directory = os.path.dirname(next(f for f in corpus["files"] if f.endswith(os.path.join("json", "decoder.py"))))
+    out = corpus["tmp"] / "files"
+    run_tool("preprocess_data.py", "--input", directory, "--input-format", "text-files", "--input-suffix", ".py",
+             "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer",
+             "--tokenizer-model", corpus["model"], "--workers", 2)
+    tok = GPTSentencePieceTokenizer(corpus["model"])
+    _, docs = read_documents(f"{out}_text_document")
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".py"))
+    assert len(docs) == len(names)
+    assert tok.detokenize(docs[0].tolist()) == open(os.path.join(directory, names[0]), encoding="utf-8").read()
+
+    lines = corpus["tmp"] / "lines.txt"
+    lines.write_text("first document\n\nthird document\n")
+    out = corpus["tmp"] / "lines"
+    run_tool("preprocess_data.py", "--input", lines, "--output-prefix", out, "--tokenizer-type",
+             "GPTSentencePieceTokenizer", "--tokenizer-model", corpus["model"], "--append-eod")
+    ds, docs = read_documents(f"{out}_text_document")
+    assert ds.num_documents == 3 and len(docs[1]) == 0  # empty documents are kept, without eod (Megatron)
+    assert tok.detokenize(docs[2][:-1].tolist()) == "third document"
+
+
+def test_bad_lines_are_reported_or_skipped(corpus):
+    bad = corpus["tmp"] / "bad.jsonl"
+    bad.write_text('{"text": "good"}\n{"text": broken\n{"other": "x"}\n["list"]\n{"text": "also good"}\n')
+    out = corpus["tmp"] / "bad"
+    args = ["--input", bad, "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer",
+            "--tokenizer-model", corpus["model"], "--append-eod"]
+    proc = run_tool("preprocess_data.py", *args, ok=False)
+    assert proc.returncode == 1
+    assert f"{bad}:2: malformed JSON" in proc.stderr and "--skip-bad-lines" in proc.stderr
+    assert not os.path.exists(f"{out}_text_document.bin")  # no partial output
+    proc = run_tool("preprocess_data.py", *args, "--skip-bad-lines", "--workers", 2)
+    assert f"{bad}:3: missing key 'text'" in proc.stderr and f"{bad}:4: expected a JSON object" in proc.stderr
+    assert "skipped 3 bad line(s)" in proc.stderr
+    assert IndexedDataset(f"{out}_text_document").num_documents == 2
+
+
+def test_null_tokenizer_and_int32_output(corpus):
+    src = corpus["tmp"] / "ids.txt"
+    src.write_text("1 2 3\n70000 5\n")
+    out = corpus["tmp"] / "ids"
+    run_tool("preprocess_data.py", "--input", src, "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", 100000, "--append-eod")
+    ds, docs = read_documents(f"{out}_text_document")
+    assert ds.dtype == np.int32
+    assert docs[0].tolist() == [1, 2, 3, 100000] and docs[1].tolist() == [70000, 5, 100000]
+
+
+def test_clear_tool_errors(corpus):
+    proc = run_tool("preprocess_data.py", "--input", corpus["tmp"] / "missing.jsonl", "--output-prefix",
+                    corpus["tmp"] / "x", "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                    corpus["model"], ok=False)
+    assert proc.returncode == 1 and "no such file" in proc.stderr
+    proc = run_tool("preprocess_data.py", "--input", corpus["jsonl"], "--output-prefix", corpus["tmp"] / "x",
+                    "--tokenizer-type", "GPTSentencePieceTokenizer", ok=False)
+    assert proc.returncode == 1 and "--tokenizer-model" in proc.stderr
