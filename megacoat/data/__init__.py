@@ -99,16 +99,19 @@ def _check_token_ids(dataset, vocab_size: int, what: str, probes: int = 4) -> No
                 "another tokenizer: pass the --tokenizer-type/--tokenizer-model used by tools/preprocess_data.py")
 
 
-def _loader(dataset, sampler, collate, num_workers: int):
+def _loader(dataset, sampler, num_workers: int):
     import torch
 
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0, pin_memory=False)
+    from megacoat.data.batch import stack_samples
+
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=stack_samples,
+                                       num_workers=num_workers, persistent_workers=num_workers > 0, pin_memory=False)
 
 
-def _lazy_iter(loader) -> Iterator:
+def _micro_batches(loader, batch_builder) -> Iterator:
     """Starts the loader (and its worker processes) on the first next(), not at build time."""
-    yield from loader
+    for stacked in loader:
+        yield batch_builder(stacked)
 
 
 def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0) -> DataIterators:
@@ -131,5 +134,5 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
         _check_token_ids(ds, tokenizer.vocab_size, name)
         sampler = GlobalOrderBatchSampler(len(ds), consumed_samples if name == "train" else 0, mbs, gbs,
                                           dp_rank, dp_size, cyclic=name != "train")
-        iters.append(_lazy_iter(_loader(ds, sampler, collate, cfg.data.num_workers)))
+        iters.append(_micro_batches(_loader(ds, sampler, cfg.data.num_workers), collate))
     return DataIterators(*iters, train_dataset=train_ds, valid_dataset=valid_ds, test_dataset=test_ds)

@@ -130,6 +130,7 @@ class EncoderSpec:
     input_format: str
     append_eod: bool
     dtype: str
+    tokenizer_threads: int = -1  # -1: all cores (one process); 1 in each of several worker processes
 
 
 @dataclass
@@ -158,7 +159,8 @@ class Encoder:
         for key in self.spec.json_keys:
             texts = [p[key] for p in ok]
             batch_fn = getattr(self.tokenizer, "tokenize_batch", None)
-            by_key[key] = iter(batch_fn(texts) if batch_fn else [self.tokenizer.tokenize(t) for t in texts])
+            by_key[key] = iter(batch_fn(texts, num_threads=self.spec.tokenizer_threads) if batch_fn
+                               else [self.tokenizer.tokenize(t) for t in texts])
         for p in parsed:
             if isinstance(p, str):
                 out.documents.append(p)
@@ -224,14 +226,17 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
                vocab_size: Optional[int] = None, json_keys: Sequence[str] = ("text",), input_format: str = "auto",
                append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
                progress: bool = True, log_interval: int = 1000, output_names: Optional[Dict[str, str]] = None,
+               tokenizer_threads: Optional[int] = None,
                report: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> PreprocessResult:
     """Tokenize `files` into one `.bin/.idx` dataset per JSON key. Returns what was written."""
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"unknown input format {input_format!r}: choose one of {', '.join(INPUT_FORMATS)}")
     tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size)  # fail fast, in the main process
     dtype = best_token_dtype(tokenizer.vocab_size)
+    if tokenizer_threads is None:  # one process may use every core; worker processes one each
+        tokenizer_threads = -1 if workers <= 1 else 1
     spec = EncoderSpec(tokenizer_type, tokenizer_model, vocab_size, tuple(json_keys), input_format, append_eod,
-                       dtype.str)
+                       dtype.str, tokenizer_threads)
     prefixes = {k: (output_names or {}).get(k) or output_prefix_for(output_prefix, k) for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p, dtype=dtype) for k, p in prefixes.items()}
     total_bytes = sum(os.path.getsize(f) for f in files)
