@@ -16,12 +16,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, errq):
+def _worker(rank, world, port, fn, args, errq, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         fn(rank, world, *args)
     except BaseException:  # report any failure to the parent with its traceback
         errq.put((rank, traceback.format_exc()))
@@ -31,12 +33,12 @@ def _worker(rank, world, port, fn, args, errq):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args) -> None:
+def run_distributed(fn, world: int, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world, *args) in `world` processes; re-raise the first failure with its traceback."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

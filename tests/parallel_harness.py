@@ -49,7 +49,9 @@ def batches(step: int, n_micro: int, mbs: int, seq: int):
 def run_step(model, opt, micro, n_micro: int):
     opt.zero_grad()
     total = 0.0
+    device = next(model.parameters()).device
     for b in micro:
+        b = {k: v.to(device) for k, v in b.items()}
         loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
         (loss / n_micro).backward()
         total += loss.item() / n_micro

@@ -8,11 +8,12 @@ from megacoat.parallel.context import ParallelContext
 from parallel_harness import batches, build, full_grads, run_step, small_model_config, trim_vocab
 
 
-def _tp_vs_single(rank, world, tp, sp, model_kw, steps):
+def _tp_vs_single(rank, world, tp, sp, model_kw, steps, device_type="cpu"):
     m = small_model_config(**model_kw)
-    ctx = ParallelContext.build(tp, 1, torch.device("cpu"))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(tp, 1, device)
     model, opt = build(m, ctx, sp)
-    ref_model, ref_opt = build(m, ParallelContext.single(), False)
+    ref_model, ref_opt = build(m, ParallelContext.single(device), False)
     dp = ctx.dp_size
     n_micro, mbs = 2, 2
     for step in range(steps):
@@ -27,7 +28,7 @@ def _tp_vs_single(rank, world, tp, sp, model_kw, steps):
         assert abs(loss.item() - ref_loss) <= 2e-5 * abs(ref_loss), (step, loss.item(), ref_loss)
         opt._sync_sequence_parallel_grads()
         opt.comm.reduce_grads(opt.grad_buffer.data)
-        grads, ref = full_grads(model, ctx), full_grads(ref_model, ParallelContext.single())
+        grads, ref = full_grads(model, ctx), full_grads(ref_model, ParallelContext.single(device))
         for name, g in ref.items():
             got, want = trim_vocab(name, grads[name]), trim_vocab(name, g)
             # Absolute slack scaled to the tensor: after an Adam step, gradients whose true value is

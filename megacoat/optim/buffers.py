@@ -26,17 +26,31 @@ class GradBuffer:
             p.main_grad = self.data[offset: offset + p.numel()].view_as(p)
             self.offsets[id(p)] = offset
             offset += p.numel()
+        # Parameters whose main_grad holds nothing of this step yet: their first gradient is
+        # copied rather than added, which saves zeroing the buffer and re-reading zeros.
+        self._fresh = {id(p) for p in self.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
 
-    @staticmethod
-    def _accumulate(p: torch.Tensor) -> None:
-        # Move the fresh gradient into the fp32 buffer and drop it: no bf16 accumulation,
-        # and the per-parameter .grad memory is freed as soon as it is produced.
-        p.main_grad.add_(p.grad)
+    def _accumulate(self, p: torch.Tensor) -> None:
+        # Move the gradient into the fp32 buffer and drop it: no bf16 accumulation, and the
+        # per-parameter .grad memory is freed as soon as it is produced.
+        if id(p) in self._fresh:
+            p.main_grad.copy_(p.grad)
+            self._fresh.discard(id(p))
+        else:
+            p.main_grad.add_(p.grad)
         p.grad = None
 
     def zero(self) -> None:
-        self.data.zero_()
+        """Start a new step: the next gradient of every parameter overwrites its main_grad."""
+        self._fresh = {id(p) for p in self.params}
+
+    def finalize(self) -> None:
+        """After the last backward of a step: parameters that received no gradient get zeros."""
+        for p in self.params:
+            if id(p) in self._fresh:
+                p.main_grad.zero_()
+        self._fresh = set()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -57,10 +57,10 @@ class MixedPrecisionAdamW:
         self.comm = PlainAllReduce(ctx.dp_group, self.stats)
         self.counted = [bool(getattr(p, "tensor_model_parallel", False)) or ctx.tp_rank == 0 for p in self.params]
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
-        on_gpu = self.params[0].is_cuda
+        self.fused = self.params[0].is_cuda
         self.opt = torch.optim.AdamW(param_groups(self.masters, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                     **({"fused": True} if on_gpu else {"foreach": True}))
+                                     **({"fused": True} if self.fused else {"foreach": True}))
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
@@ -78,6 +78,7 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        self.grad_buffer.finalize()
         self._sync_sequence_parallel_grads()
         self.comm.reduce_grads(self.grad_buffer.data)
         grads = [p.main_grad for p in self.params]
@@ -85,17 +86,24 @@ class MixedPrecisionAdamW:
         if not math.isfinite(norm):
             return StepResult(False, norm, self.stats.pop())
         coeff = clip_coefficient(norm, self.cfg.clip_grad)
+        self.opt.grad_scale = None
         if coeff < 1.0:
-            self.grad_buffer.data.mul_(coeff)
+            if self.fused:
+                # The fused kernel divides gradients by grad_scale as it reads them: clipping
+                # costs no extra pass over the gradient buffer.
+                self.opt.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=self.params[0].device)
+            else:
+                self.grad_buffer.data.mul_(coeff)
         for m, g in zip(self.masters, grads):
             m.grad = g if g.dtype == torch.float32 else g.float()
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
-        for p, m in zip(self.params, self.masters):
+        for m in self.masters:
             m.grad = None
-            if p is not m:
-                p.copy_(m)
+        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
         return StepResult(True, norm, self.stats.pop())
 
     def memory_report(self) -> dict:
