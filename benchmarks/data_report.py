@@ -29,7 +29,8 @@ def header(title: str) -> str:
             f"- git commit: {git_commit()}\n"
             f"- command: `{command}`\n"
             f"- machine: {platform.processor() or platform.machine()}, {cpus} CPU core(s) available, "
-            f"Python {platform.python_version()}, numpy {numpy.__version__}\n\n")
+            f"Python {platform.python_version()}, numpy {numpy.__version__}; load average at start "
+            f"{os.getloadavg()[0]:.2f} (the machine is shared, so numbers vary by ~2x from run to run)\n\n")
 
 
 def write(path: str, text: str) -> None:
