@@ -9,6 +9,7 @@
 import sys
 
 from megacoat.config import ConfigError, parse_args
+from megacoat.data import DataConfigError, TokenizerError
 from megacoat.training.trainer import pretrain
 
 
@@ -16,7 +17,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     try:
         pretrain(cfg)
-    except ConfigError as e:
+    except (ConfigError, DataConfigError, TokenizerError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
     return 0

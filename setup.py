@@ -19,7 +19,7 @@ def _cpp_extensions():
             from pybind11.setup_helpers import Pybind11Extension
 
             exts.append(Pybind11Extension("megacoat._data_helpers", [src], cxx_std=17,
-                                          extra_compile_args=["-O3"]))
+                                          extra_compile_args=["-O3", "-ffp-contract=off"]))
         except ImportError:
             print("megacoat: pybind11 not available, using the numpy index builder", file=sys.stderr)
     return exts
@@ -63,7 +63,7 @@ setup(
         "triton; platform_system=='Linux'",
     ],
     extras_require={
-        "test": ["pytest", "transformers", "safetensors"],
+        "test": ["pytest", "transformers", "safetensors", "tokenizers"],
         "wandb": ["wandb"],
     },
     setup_requires=[],

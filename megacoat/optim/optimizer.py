@@ -26,8 +26,11 @@ from .clip import clip_coefficient, global_grad_norm
 
 @dataclass
 class StepResult:
-    success: bool           # False: non-finite gradient norm, step skipped
-    grad_norm: float
+    """0-dim tensors, possibly still being computed on the device: read them when logging,
+    so that the host never waits for the GPU inside a step."""
+
+    success: torch.Tensor     # bool; False: non-finite gradient norm, step skipped
+    grad_norm: torch.Tensor   # fp32
     comm_bytes: dict
 
 
@@ -61,6 +64,8 @@ class MixedPrecisionAdamW:
         self.opt = torch.optim.AdamW(param_groups(self.masters, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                      **({"fused": True} if self.fused else {"foreach": True}))
+        self.opt.grad_scale = None  # set per step by _fused_step (read by torch's fused AdamW)
+        self.opt.found_inf = None
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
@@ -82,29 +87,47 @@ class MixedPrecisionAdamW:
         self._sync_sequence_parallel_grads()
         self.comm.reduce_grads(self.grad_buffer.data)
         grads = [p.main_grad for p in self.params]
-        norm = global_grad_norm(grads, self.counted, self.ctx.mp_group).item()
-        if not math.isfinite(norm):
-            return StepResult(False, norm, self.stats.pop())
-        coeff = clip_coefficient(norm, self.cfg.clip_grad)
-        self.opt.grad_scale = None
-        if coeff < 1.0:
-            if self.fused:
-                # The fused kernel divides gradients by grad_scale as it reads them: clipping
-                # costs no extra pass over the gradient buffer.
-                self.opt.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=self.params[0].device)
-            else:
-                self.grad_buffer.data.mul_(coeff)
+        norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
         for m, g in zip(self.masters, grads):
             m.grad = g if g.dtype == torch.float32 else g.float()
         for group in self.opt.param_groups:
             group["lr"] = lr
-        self.opt.step()
+        if self.fused:
+            success = self._fused_step(norm)
+        else:
+            success = self._host_checked_step(norm)
         for m in self.masters:
             m.grad = None
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-        return StepResult(True, norm, self.stats.pop())
+        return StepResult(success, norm, self.stats.pop())
+
+    def _fused_step(self, norm: torch.Tensor) -> torch.Tensor:
+        """Clip and skip on the device, without waiting for the norm on the host.
+
+        The fused kernel divides gradients by `grad_scale` as it reads them (clipping costs no
+        pass over the buffer) and leaves parameters, moments and step count untouched when
+        `found_inf` is 1 (a non-finite norm skips the step on every rank alike).
+        """
+        found_inf = (~torch.isfinite(norm)).float()
+        if self.cfg.clip_grad > 0:
+            # 1 / Megatron's clip coefficient max_norm / (norm + 1e-6), applied only when it is < 1.
+            scale = torch.clamp((norm + 1e-6) / self.cfg.clip_grad, min=1.0)
+            self.opt.grad_scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0)
+        self.opt.found_inf = found_inf
+        self.opt.step()
+        return found_inf == 0
+
+    def _host_checked_step(self, norm: torch.Tensor) -> torch.Tensor:
+        value = norm.item()
+        if not math.isfinite(value):
+            return torch.tensor(False)
+        coeff = clip_coefficient(value, self.cfg.clip_grad)
+        if coeff < 1.0:
+            self.grad_buffer.data.mul_(coeff)
+        self.opt.step()
+        return torch.tensor(True)
 
     def memory_report(self) -> dict:
         """Bytes per parameter held by this rank for each kind of model state."""

@@ -30,6 +30,7 @@ class IterationLogger:
         self.stream = stream
         self.enabled = ctx.is_last_rank
         self._losses, self._norms, self._bytes = [], [], {}
+        self._pending = []
         self._t0 = None
         self._iters_in_interval = 0
         self._skipped_in_interval = 0
@@ -53,23 +54,34 @@ class IterationLogger:
         self._t0 = time.perf_counter()
 
     def record_step(self, rec, comm_bytes: dict) -> None:
-        self._iters_in_interval += 1
-        if rec.skipped:
-            self._skipped_in_interval += 1
-            self._nan_in_interval += int(math.isnan(rec.grad_norm))
-        else:
-            self._losses.append(rec.loss)
-            self._norms.append(rec.grad_norm)
+        self._pending.append(rec)  # resolved at the next log: no host-device sync per step
         for k, v in comm_bytes.items():
             self._bytes[k] = self._bytes.get(k, 0) + v
         self._last = rec
 
-    def maybe_log(self, state, flops_per_iter: float) -> None:
+    def _resolve_pending(self, state) -> None:
+        for rec in self._pending:
+            self._iters_in_interval += 1
+            if rec.skipped:
+                self._skipped_in_interval += 1
+                nan = math.isnan(rec.grad_norm)
+                self._nan_in_interval += int(nan)
+                state.skipped_iters += 1
+                state.nan_iters += int(nan)
+            else:
+                self._losses.append(rec.loss)
+                self._norms.append(rec.grad_norm)
+        self._pending = []
+
+    def maybe_log(self, state, flops_per_iter: float, force: bool = False) -> None:
         it = state.iteration
-        if it % self.cfg.logging.log_interval and it != self.cfg.train.train_iters:
+        if not force and it % self.cfg.logging.log_interval and it != self.cfg.train.train_iters:
+            return
+        if not self._pending:
             return
         _sync(self.device)
         now = time.perf_counter()
+        self._resolve_pending(state)
         n = max(self._iters_in_interval, 1)
         dt = (now - self._t0) / n
         t = self.cfg.train

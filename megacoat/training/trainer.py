@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import MegacoatConfig, num_microbatches, validate_config
-from ..data import build_data_iterators, build_tokenizer
+from ..data import build_data_iterators, build_tokenizer, check_vocab_size
 from ..model.flops import flops_per_token
 from ..model.gpt import GPTModel, padded_vocab_size
 from ..model.loss import masked_mean_loss
@@ -32,11 +32,26 @@ from .throughput import default_peak_tflops
 
 @dataclass
 class StepRecord:
+    """One optimizer step. The tensors may still be in flight on the device; the properties
+    wait for them (the logger reads them once per log interval, not once per step)."""
+
     iteration: int
-    loss: float
-    grad_norm: float
     lr: float
-    skipped: bool
+    loss_t: torch.Tensor
+    grad_norm_t: torch.Tensor
+    success_t: torch.Tensor
+
+    @property
+    def loss(self) -> float:
+        return self.loss_t.item()
+
+    @property
+    def grad_norm(self) -> float:
+        return self.grad_norm_t.item()
+
+    @property
+    def skipped(self) -> bool:
+        return not bool(self.success_t.item())
 
 
 @dataclass
@@ -70,6 +85,7 @@ class Trainer:
         m = cfg.model
         self.padded_vocab = padded_vocab_size(self.tokenizer.vocab_size, m.make_vocab_size_divisible_by,
                                               self.ctx.tp_size)
+        check_vocab_size(self.tokenizer.vocab_size, self.padded_vocab)
         compile_layers = cfg.train.torch_compile
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
@@ -118,10 +134,7 @@ class Trainer:
         st = self.state
         st.iteration += 1
         st.consumed_samples += self.cfg.train.global_batch_size
-        if not result.success:
-            st.skipped_iters += 1
-            st.nan_iters += int(math.isnan(result.grad_norm))
-        rec = StepRecord(st.iteration, loss.item(), result.grad_norm, lr, not result.success)
+        rec = StepRecord(st.iteration, lr, loss, result.grad_norm, result.success)
         st.history.append(rec)
         self.logger.record_step(rec, result.comm_bytes)
         return rec
@@ -161,6 +174,7 @@ class Trainer:
                     and it < cfg.train.train_iters:
                 self.logger.log_eval(it, self.evaluate(iters.valid, cfg.train.eval_iters))
             if cfg.train.exit_interval and it % cfg.train.exit_interval == 0:
+                self.logger.maybe_log(self.state, self.flops_per_iter, force=True)
                 self.logger.info(f"exiting at iteration {it} (--exit-interval {cfg.train.exit_interval})")
                 break
         if iters.valid is not None and cfg.train.eval_iters > 0:
