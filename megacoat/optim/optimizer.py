@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,23 @@ from ..config import OptimizerConfig
 from ..parallel.context import ParallelContext
 from .buffers import GradBuffer
 from .clip import clip_coefficient, global_grad_norm
+
+
+@dataclass
+class ParamStateRange:
+    """The optimizer state this rank holds for one parameter, for checkpoints.
+
+    `param` is the model parameter (its `global_name`, `shard_info`, `tensor_model_parallel`
+    say where its TP-local tensor sits in the full one). This rank owns the flat range
+    `[start, end)` of that TP-local tensor (the whole of it without ZeRO). `tensors` maps a state
+    name ("master", "exp_avg", "exp_avg_sq", or a codec's own names) to a 1-D view of length
+    `end - start`: reading it saves the state, writing into it loads the state.
+    """
+
+    param: nn.Parameter
+    start: int
+    end: int
+    tensors: Dict[str, torch.Tensor]
 
 
 @dataclass
@@ -66,6 +83,16 @@ class MixedPrecisionAdamW:
                                      **({"fused": True} if self.fused else {"foreach": True}))
         self.opt.grad_scale = None  # set per step by _fused_step (read by torch's fused AdamW)
         self.opt.found_inf = None
+        self._init_adam_state()
+
+    def _init_adam_state(self) -> None:
+        """Create the moments now (torch creates them lazily) so checkpoints can address them."""
+        for m in self.masters:
+            self.opt.state[m] = {
+                "step": torch.zeros((), dtype=torch.float32, device=m.device if self.fused else "cpu"),
+                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+            }
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
@@ -139,13 +166,30 @@ class MixedPrecisionAdamW:
         return {"params": n, "weights": weights / n, "grads": grads / n, "master": master / n,
                 "optimizer_states": states / n}
 
-    def state_dict(self) -> dict:
-        return {"adam": self.opt.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+    # ------------------------------------------------------------------ checkpoint interface
+    def state_ranges(self) -> List[ParamStateRange]:
+        out = []
+        for p, m in zip(self.params, self.masters):
+            st = self.opt.state[m]
+            out.append(ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1),
+                                                         "exp_avg": st["exp_avg"].view(-1),
+                                                         "exp_avg_sq": st["exp_avg_sq"].view(-1)}))
+        return out
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.opt.load_state_dict(sd["adam"])
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, sd["masters"]):
-                m.copy_(saved)
-                if p is not m:
-                    p.copy_(m)
+    def scalar_state(self) -> dict:
+        """Optimizer scalars: the Adam step count (the same for every parameter)."""
+        steps = {float(self.opt.state[m]["step"]) for m in self.masters}
+        if len(steps) != 1:
+            raise RuntimeError(f"Adam step counts differ across parameters: {sorted(steps)}")
+        return {"adam_step": steps.pop()}
+
+    def load_scalar_state(self, d: dict) -> None:
+        for m in self.masters:
+            self.opt.state[m]["step"].fill_(d["adam_step"])
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Masters were written through state_ranges(): refresh the model's (bf16) weights."""
+        for p, m in zip(self.params, self.masters):
+            if p is not m:
+                p.copy_(m)
