@@ -126,6 +126,19 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save: Optional[str] = _f(None, "Directory to save checkpoints to (<save>/iter_0000100/ + latest_checkpointed_iteration.txt).")
+    load: Optional[str] = _f(None, "Directory to load the latest checkpoint from (the same as --save resumes a run).")
+    save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at the end and at exits).")
+    no_load_optim: bool = _f(False, "Load model weights only: no optimizer state, no LR scheduler state.")
+    no_load_rng: bool = _f(False, "Do not restore the RNG states.")
+    finetune: bool = _f(False, "Load model weights only and start at iteration 0 (fresh optimizer, scheduler, data).")
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time.")
+    use_checkpoint_args: bool = _f(False, "Take the model architecture (and tokenizer) flags from the checkpoint in --load.")
+    async_save: bool = _f(False, "Write checkpoints in the background (one in flight; training stalls only for the copy to CPU).")
+
+
+@dataclass
 class MegacoatConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -133,6 +146,7 @@ class MegacoatConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
