@@ -105,7 +105,10 @@ def _loader(dataset, sampler, num_workers: int):
     from megacoat.data.batch import stack_samples
 
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=stack_samples,
-                                       num_workers=num_workers, persistent_workers=num_workers > 0, pin_memory=False)
+                                       num_workers=num_workers, persistent_workers=num_workers > 0, pin_memory=False,
+                                       # its own generator: starting a loader must not draw from the global RNG
+                                       # (dropout's stream), or a resumed run would diverge from an uninterrupted one
+                                       generator=torch.Generator())
 
 
 def _micro_batches(loader, batch_builder) -> Iterator:

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import Checkpointer, apply_checkpoint_args
 from ..config import MegacoatConfig, num_microbatches, validate_config
 from ..data import build_data_iterators, build_tokenizer, check_vocab_size
 from ..model.flops import flops_per_token
@@ -72,6 +73,7 @@ class Trainer:
 
     def __init__(self, cfg: MegacoatConfig, *, log_stream=None):
         world = int(os.environ.get("WORLD_SIZE", 1))
+        apply_checkpoint_args(cfg)  # --use-checkpoint-args: architecture flags from the checkpoint in --load
         validate_config(cfg, world)  # before any allocation
         self.cfg = cfg
         self.device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes,
@@ -102,6 +104,9 @@ class Trainer:
         self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.name, peak,
                                       stream=log_stream or sys.stdout)
         self._iters = None
+        # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
+        self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info)
+        self.checkpointer.load(self)
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
@@ -173,10 +178,13 @@ class Trainer:
             if cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and iters.valid is not None \
                     and it < cfg.train.train_iters:
                 self.logger.log_eval(it, self.evaluate(iters.valid, cfg.train.eval_iters))
+            if self.checkpointer.after_step(self):  # saves when due; True: --exit-duration-in-mins ran out
+                break
             if cfg.train.exit_interval and it % cfg.train.exit_interval == 0:
                 self.logger.maybe_log(self.state, self.flops_per_iter, force=True)
                 self.logger.info(f"exiting at iteration {it} (--exit-interval {cfg.train.exit_interval})")
                 break
+        self.checkpointer.finish(self)  # final save; waits for a background (--async-save) write
         if iters.valid is not None and cfg.train.eval_iters > 0:
             self.logger.log_eval(self.state.iteration, self.evaluate(iters.valid, cfg.train.eval_iters))
         self.logger.finish()

@@ -1,0 +1,337 @@
+"""The training loop's checkpoint hooks: load at start, save at intervals and exits, async saves.
+
+The trainer calls, in this order:
+    apply_checkpoint_args(cfg)          before building anything (--use-checkpoint-args)
+    ckpt = Checkpointer(cfg, ctx, log)
+    ckpt.load(trainer)                  after model/optimizer/scheduler exist, before the data
+    stop = ckpt.after_step(trainer)     after every step: saves when due; True: --exit-duration-in-mins
+    ckpt.finish(trainer)                at the end: final save, waits for a background write
+It reads `trainer.{model, optimizer, scheduler, rng, state, ctx, cfg, tokenizer}` and nothing else.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, MegacoatConfig
+from .collect import MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
+from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, resolve_checkpoint_dir)
+from .layout import layout_of_parameter
+from .reader import CheckpointReader
+from .writer import (BackgroundWrite, HostSnapshot, RankSave, commit, piece_records, plan_offsets,
+                     prepare_partial_dir, rank_file_path, write_pieces)
+
+# Model flags that decide tensor shapes; a checkpoint only loads into a model with the same ones.
+ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                      "kv_channels", "normalization", "position_embedding_type", "activation", "add_bias_linear",
+                      "untie_embeddings_and_output_weights")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def find_checkpoint(load: str, save: Optional[str]) -> Optional[str]:
+    """The iteration directory to load; None when resuming into an empty --save directory."""
+    resuming = save is not None and os.path.abspath(load) == os.path.abspath(save)
+    empty = not os.path.isdir(load) or not (os.path.exists(os.path.join(load, TRACKER_FILE))
+                                            or os.path.exists(os.path.join(load, METADATA_FILE)))
+    if empty and resuming:
+        return None  # first launch of a run that saves and resumes from the same directory
+    return resolve_checkpoint_dir(load)
+
+
+def _print_on_rank0(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, flush=True)
+
+
+def apply_checkpoint_args(cfg: MegacoatConfig, log: Callable[[str], None] = _print_on_rank0) -> None:
+    """--use-checkpoint-args: take the architecture (and tokenizer, when unset) flags from the checkpoint."""
+    c = cfg.checkpoint
+    if not (c.use_checkpoint_args and c.load):
+        return
+    path = find_checkpoint(c.load, c.save)
+    if path is None:
+        return
+    saved = CheckpointReader(path).config
+    for name, value in saved.get("model", {}).items():
+        if getattr(cfg.model, name) != value:
+            log(f"--use-checkpoint-args: {_flag(name)} {value} (was {getattr(cfg.model, name)})")
+            setattr(cfg.model, name, value)
+    for name in ("tokenizer_type", "tokenizer_model", "vocab_size"):
+        if getattr(cfg.data, name) is None and saved.get("data", {}).get(name) is not None:
+            setattr(cfg.data, name, saved["data"][name])
+
+
+def check_architecture(saved: dict, model_cfg, path: str) -> None:
+    saved_model = saved.get("model", {})
+    diffs = [f"{_flag(k)}: checkpoint {saved_model[k]}, this run {getattr(model_cfg, k)}"
+             for k in ARCHITECTURE_FLAGS if k in saved_model and saved_model[k] != getattr(model_cfg, k)]
+    if diffs:
+        raise CheckpointError(f"the checkpoint {path} was saved with other model flags:\n  " + "\n  ".join(diffs) +
+                              "\npass the checkpoint's flags, or --use-checkpoint-args to take them from it")
+
+
+def capture_rng(trainer) -> dict:
+    dev = trainer.ctx.device
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
+            "tracker": trainer.rng.state_dict()}
+
+
+def restore_rng(trainer, state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and trainer.ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], trainer.ctx.device)
+    trainer.rng.load_state_dict(state["tracker"])
+
+
+def parallel_layout(ctx) -> dict:
+    return {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size}
+
+
+# ------------------------------------------------------------------------------ model/optim
+def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
+    """Every parameter from the checkpoint's model weights, resharded to this rank (cast to its dtype)."""
+    names = {p.global_name for p in model.parameters()}
+    extra = sorted(set(reader.names()) - names)
+    if extra:
+        raise CheckpointError(f"{reader.path} holds tensors this model does not have ({', '.join(extra[:4])}"
+                              f"{' ...' if len(extra) > 4 else ''}); the model flags differ from the saved ones")
+    with torch.no_grad():
+        for p in model.parameters():
+            target = layout_of_parameter(p, tp_size, model.vocab_size)
+            flat = p.detach().view(-1)
+            reader.read_into(MODEL_KIND, p.global_name, target, tp_rank, 0, flat.numel(), flat)
+
+
+def load_optimizer_state(reader: CheckpointReader, model, optimizer, tp_rank: int, tp_size: int) -> None:
+    """Masters, moments and codec states into this rank's ranges, whatever layout saved them."""
+    for r in optimizer.state_ranges():
+        name = r.param.global_name
+        stored = set(reader.optimizer_states(name))
+        if stored != set(r.tensors):
+            raise CheckpointError(f"optimizer state of {name}: the checkpoint holds {sorted(stored)}, this optimizer "
+                                  f"{sorted(r.tensors)}; the optimizer or its state format differs from the saved "
+                                  "one: use the same flags, or --no-load-optim to load weights only")
+        target = layout_of_parameter(r.param, tp_size, model.vocab_size)
+        for state, view in r.tensors.items():
+            kind = OPTIM_PREFIX + state
+            if reader.stored_dtype(kind, name) != view.dtype:
+                raise CheckpointError(f"optimizer state {state!r} of {name} is {reader.stored_dtype(kind, name)} in the "
+                                      f"checkpoint but {view.dtype} in this optimizer; the state format differs: use "
+                                      "the same flags, or --no-load-optim")
+            with torch.no_grad():
+                reader.read_into(kind, name, target, tp_rank, r.start, r.end, view)
+
+
+def masters_from_weights(optimizer) -> None:
+    """Weights-only load: the fp32 masters start from the loaded weights."""
+    with torch.no_grad():
+        for r in optimizer.state_ranges():
+            if "master" in r.tensors:
+                r.tensors["master"].copy_(r.param.detach().reshape(-1)[r.start:r.end])
+    optimizer.after_load()
+
+
+def _copy_tokenizer(tokenizer, partial: str) -> dict:
+    """A copy of the tokenizer model inside the checkpoint, so tools/generate.py needs nothing else."""
+    info = {"type": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size}
+    src = getattr(tokenizer, "model_file", None)
+    if src and os.path.isfile(src):
+        dst_dir = os.path.join(partial, TOKENIZER_DIR)
+        os.makedirs(dst_dir, exist_ok=True)
+        siblings = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
+        for path in [src] + [os.path.join(os.path.dirname(src), s) for s in siblings]:
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(dst_dir, os.path.basename(path)))
+        info["file"] = os.path.join(TOKENIZER_DIR, os.path.basename(src))
+    return {"tokenizer": info}
+
+
+@dataclass
+class _PendingSave:
+    write: Optional[BackgroundWrite]
+    mine: RankSave
+    pieces: list
+    offsets: List[int]
+    file_name: str
+    common: Optional[dict]
+    metadata: Optional[dict]
+    extra: Callable
+    save_dir: str
+    iteration: int
+
+
+class Checkpointer:
+    def __init__(self, cfg: MegacoatConfig, ctx, log: Callable[[str], None] = print):
+        c = cfg.checkpoint
+        if c.save_interval is not None and c.save_interval < 1:
+            raise ConfigError("--save-interval must be >= 1.")
+        if (c.save_interval or c.async_save) and not c.save:
+            raise ConfigError("--save-interval/--async-save need --save DIR.")
+        self.cfg, self.full_cfg, self.ctx, self.log = c, cfg, ctx, log
+        self.start_time = time.time()
+        self.snapshot = HostSnapshot()
+        self.pending: Optional[_PendingSave] = None
+        self.last_saved: Optional[int] = None
+        self.last_stall_s = 0.0
+
+    # ------------------------------------------------------------------------------- load
+    def load(self, trainer) -> bool:
+        c = self.cfg
+        if not c.load:
+            return False
+        path = find_checkpoint(c.load, c.save)
+        if path is None:
+            self.log(f"no checkpoint in {c.load} yet: starting from scratch")
+            return False
+        t0 = time.time()
+        reader = CheckpointReader(path)
+        try:
+            self._load(reader, trainer)
+        finally:
+            reader.close()
+        self.last_saved = trainer.state.iteration if not c.finetune else None
+        self.log(f"loaded checkpoint {path} (iteration {reader.iteration}) in {time.time() - t0:.2f} s")
+        return True
+
+    def _load(self, reader: CheckpointReader, trainer) -> None:
+        c, ctx = self.cfg, trainer.ctx
+        check_architecture(reader.config, trainer.cfg.model, reader.path)
+        saved_vocab = reader.meta.get("vocab_size")
+        if saved_vocab is not None and saved_vocab != trainer.model.vocab_size:
+            raise CheckpointError(f"the checkpoint {reader.path} has a vocabulary of {saved_vocab} but this run's "
+                                  f"tokenizer has {trainer.model.vocab_size}; use the checkpoint's tokenizer flags")
+        weights_only = c.finetune or c.no_load_optim or not reader.has_optimizer
+        if weights_only:
+            if not (c.finetune or c.no_load_optim):
+                self.log(f"{reader.path} holds no optimizer state: loading weights only")
+            load_model_weights(reader, trainer.model, ctx.tp_rank, ctx.tp_size)
+            masters_from_weights(trainer.optimizer)
+        else:
+            load_optimizer_state(reader, trainer.model, trainer.optimizer, ctx.tp_rank, ctx.tp_size)
+            trainer.optimizer.load_scalar_state(reader.common()["optimizer"])
+            trainer.optimizer.after_load()
+            # The saved weights themselves, not a rounding of the masters: under weight-difference
+            # communication (qWD) they differ, and exact resume needs the ones training used.
+            load_model_weights(reader, trainer.model, ctx.tp_rank, ctx.tp_size)
+        if c.finetune:
+            return
+        common = reader.common()
+        st = common["train_state"]
+        for k in ("iteration", "consumed_samples", "skipped_iters", "nan_iters"):
+            setattr(trainer.state, k, st[k])
+        if not weights_only:
+            trainer.scheduler.load_state_dict(common["scheduler"])
+        if not c.no_load_rng:
+            if reader.meta.get("parallel") == parallel_layout(ctx) and ctx.rank in common["rng"]:
+                restore_rng(trainer, common["rng"][ctx.rank])
+            else:
+                self.log("the parallel layout differs from the saved one: RNG states are not restored "
+                         "(dropout masks after resume differ from an uninterrupted run)")
+
+    # ------------------------------------------------------------------------------- save
+    def after_step(self, trainer) -> bool:
+        """Save when due; returns True when --exit-duration-in-mins has run out (after saving)."""
+        c, it = self.cfg, trainer.state.iteration
+        time_up = self._time_is_up()
+        exit_interval = trainer.cfg.train.exit_interval
+        due = (c.save_interval and it % c.save_interval == 0) or time_up or \
+            (exit_interval and it % exit_interval == 0)
+        if c.save and due:
+            self.save(trainer)
+        elif self.pending is not None and it % max(trainer.cfg.logging.log_interval, 1) == 0:
+            self._maybe_finalize()
+        if time_up:
+            self.log(f"exiting at iteration {it}: --exit-duration-in-mins {c.exit_duration_in_mins} reached")
+        return time_up
+
+    def finish(self, trainer) -> None:
+        if self.cfg.save and self.last_saved != trainer.state.iteration:
+            self.save(trainer)
+        self.wait()
+
+    def save(self, trainer) -> None:
+        t0 = time.time()
+        self.wait()
+        ctx, it = trainer.ctx, trainer.state.iteration
+        save_dir = self.cfg.save
+        partial = prepare_partial_dir(save_dir, it, ctx.rank)
+        ranges = held_ranges(trainer.model, trainer.optimizer)
+        layouts, dtypes, pieces = collect_pieces(ranges, ctx.tp_rank, ctx.tp_size, trainer.model.vocab_size)
+        offsets, total = plan_offsets(pieces)
+        path, file_name = rank_file_path(partial, ctx.rank)
+        mine = RankSave(ctx.rank, {n: l.to_json() for n, l in layouts.items()}, dtypes, rng=capture_rng(trainer))
+        common = metadata = None
+        if ctx.rank == 0:
+            st = trainer.state
+            common = {"train_state": {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
+                                      "skipped_iters": st.skipped_iters, "nan_iters": st.nan_iters},
+                      "scheduler": trainer.scheduler.state_dict(), "optimizer": trainer.optimizer.scalar_state()}
+            metadata = {"config": trainer.cfg.to_dict(), "parallel": parallel_layout(ctx),
+                        "vocab_size": trainer.model.vocab_size, "padded_vocab_size": trainer.model.padded_vocab}
+        extra = lambda d, tok=trainer.tokenizer: _copy_tokenizer(tok, d)  # noqa: E731
+        pending = _PendingSave(None, mine, pieces, offsets, file_name, common, metadata, extra, save_dir, it)
+        if self.cfg.async_save:
+            pending.pieces = self.snapshot.take(pieces, offsets, total)
+            pending.write = BackgroundWrite(path, pending.pieces, offsets) if pieces else None
+            self.pending = pending
+            self.last_stall_s = time.time() - t0
+            self.log(f"checkpoint iteration {it}: copied to host in {self.last_stall_s:.3f} s, writing in the background")
+        else:
+            crcs = []
+            try:
+                crcs = write_pieces(path, pieces, offsets) if pieces else []
+            except OSError as e:
+                mine.error = f"writing {path}: {e}"
+            self._commit(pending, crcs)
+            self.last_stall_s = time.time() - t0
+            self.log(f"saved checkpoint iteration {it} to {save_dir} in {self.last_stall_s:.2f} s")
+        self.last_saved = it
+
+    def wait(self) -> None:
+        """Finish a background save (collective: every rank calls it at the same point)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        crcs = []
+        try:
+            crcs = pending.write.result() if pending.write is not None else []
+        except CheckpointError as e:
+            pending.mine.error = str(e)
+        self._commit(pending, crcs)
+        self.log(f"checkpoint iteration {pending.iteration} committed")
+
+    def _commit(self, pending: _PendingSave, crcs: List[int]) -> None:
+        if pending.mine.error is None:
+            pending.mine.records = piece_records(pending.pieces, pending.offsets, crcs, pending.file_name)
+        commit(pending.save_dir, pending.iteration, pending.mine, pending.common, pending.metadata, pending.extra)
+
+    def _maybe_finalize(self) -> None:
+        """Commit a background save once every rank's write has finished (one tiny all-reduce)."""
+        done = self.pending.write is None or self.pending.write.done()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1 if done else 0], device=self.ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if done:
+            self.wait()
+
+    def _time_is_up(self) -> bool:
+        mins = self.cfg.exit_duration_in_mins
+        if mins is None:
+            return False
+        up = (time.time() - self.start_time) / 60.0 > mins
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1 if up else 0], device=self.ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+            up = bool(flag.item())
+        return up

@@ -1,0 +1,116 @@
+"""On-disk layout of a checkpoint, and the crash-safe file primitives it is written with.
+
+    <save>/latest_checkpointed_iteration.txt     Megatron's tracker: the last complete iteration
+    <save>/iter_0000100/metadata.json           index: config, layout, every tensor's pieces
+    <save>/iter_0000100/common.pt               train state, scheduler, optimizer scalars, RNG per rank
+    <save>/iter_0000100/rank_00003.bin          raw bytes of the pieces rank 3 wrote
+    <save>/iter_0000100/tokenizer/              a copy of the tokenizer model (when it is a file)
+
+A checkpoint is written under `.iter_0000100.partial/`, every file fsynced, then renamed to
+`iter_0000100/`; the tracker is replaced (write, fsync, rename) last. `metadata.json` is the last
+file written inside the directory, so a directory without it is never a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Optional
+
+from ..config import ConfigError
+
+FORMAT_NAME = "megacoat-checkpoint"
+FORMAT_VERSION = 1
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+TOKENIZER_DIR = "tokenizer"
+ALIGN = 64  # byte alignment of pieces inside a rank file
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written or read as asked; the message names the problem and the fix."""
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def partial_dir_name(iteration: int) -> str:
+    return f".{iteration_dir_name(iteration)}.partial"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.bin"
+
+
+def crc32_of(buffer) -> int:
+    return zlib.crc32(buffer) & 0xFFFFFFFF
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or file creation inside `path` durable (POSIX needs the directory synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Write, flush, fsync, rename: readers see the old file or the whole new one, never a part."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    write_file_atomic(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n".encode())
+
+
+def read_tracker(load_dir: str) -> Optional[int]:
+    """The iteration named by the tracker, None when there is no tracker; errors for a bad one."""
+    path = os.path.join(load_dir, TRACKER_FILE)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text:
+        raise CheckpointError(f"tracker file {path} is empty (a save was interrupted before megacoat wrote it "
+                              "atomically, or it was edited): write the iteration to load into it, e.g. "
+                              f"`echo 100 > {path}`, or delete it to start from scratch")
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"tracker file {path} holds {text!r}, not an iteration number") from None
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    write_file_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def resolve_checkpoint_dir(load_dir: str) -> str:
+    """`load_dir` may be a save directory (with a tracker) or one iteration's directory."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check --load")
+    if os.path.exists(os.path.join(load_dir, METADATA_FILE)):
+        return load_dir
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{load_dir} holds no checkpoint: neither {TRACKER_FILE} nor {METADATA_FILE} "
+                              "is there; point --load at a directory megacoat saved to")
+    path = os.path.join(load_dir, iteration_dir_name(iteration))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"the tracker in {load_dir} names iteration {iteration} but {path} does not exist; "
+                              f"edit {TRACKER_FILE} to name an existing iter_* directory")
+    return path
