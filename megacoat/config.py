@@ -63,6 +63,14 @@ class ParallelConfig:
         None, "Ranks per node for the two-level data-parallel groups. Default: $LOCAL_WORLD_SIZE (torchrun), else the world size.")
     distributed_backend: str = _f("auto", "torch.distributed backend: auto = nccl on GPU, gloo on CPU.", choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, minutes.")
+    use_distributed_optimizer: bool = _f(False, "ZeRO: shard fp32 master weights and optimizer states over DP ranks.")
+    overlap_grad_reduce: bool = _f(False, "Reduce-scatter each gradient bucket as soon as its gradients are final "
+                                          "(needs --use-distributed-optimizer).")
+    overlap_param_gather: bool = _f(False, "Defer each bucket's parameter all-gather to just before its first use in "
+                                           "the next forward (needs --use-distributed-optimizer).")
+    ddp_bucket_size: Optional[int] = _f(None, "Elements per gradient/parameter bucket. Default: max(40M, 1M x DP).")
+    grad_reduce_in_bf16: bool = _f(False, "Accumulate and reduce gradients in bf16 instead of fp32.")
+    accumulate_allreduce_grads_in_fp32: bool = _f(False, "Megatron's flag; fp32 accumulation is the default here.")
 
 
 @dataclass
@@ -324,6 +332,12 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--mock-data conflicts with --data-path/--train-data-path: pick one.")
     if d.data_path and (d.train_data_path or d.valid_data_path or d.test_data_path):
         errors.append("--data-path conflicts with --train-data-path/--valid-data-path/--test-data-path.")
+    if (p.overlap_grad_reduce or p.overlap_param_gather) and not p.use_distributed_optimizer:
+        errors.append("--overlap-grad-reduce / --overlap-param-gather need --use-distributed-optimizer.")
+    if p.grad_reduce_in_bf16 and p.accumulate_allreduce_grads_in_fp32:
+        errors.append("--grad-reduce-in-bf16 conflicts with --accumulate-allreduce-grads-in-fp32.")
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        errors.append("--ddp-bucket-size must be >= 1.")
     if p.ranks_per_node is not None and p.ranks_per_node < 1:
         errors.append("--ranks-per-node must be >= 1.")
     if errors:

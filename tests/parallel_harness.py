@@ -25,13 +25,18 @@ def small_model_config(**kw) -> ModelConfig:
     return m
 
 
-def build(m: ModelConfig, ctx: ParallelContext, sp: bool, seed: int = 11, lr: float = 1e-2):
+def build(m: ModelConfig, ctx: ParallelContext, sp: bool, seed: int = 11, lr: float = 1e-2, zero=None):
+    """Model + optimizer; `zero` (a ZeroOptions) selects the distributed optimizer."""
     rng = seed_everything(seed, ctx.tp_rank, ctx.device)
     lc = LayerContext(ctx.tp_group, sp, rng, torch.float32, ctx.device, seed)
     model = GPTModel(m, lc, VOCAB, padded_vocab_size(VOCAB, m.make_vocab_size_divisible_by, ctx.tp_size))
     # adam_eps large enough that near-zero gradients (pure round-off) are not blown up to full
     # lr-sized updates of random sign: the test checks parallel equivalence, not Adam at eps 1e-8.
-    opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=lr, clip_grad=1.0, weight_decay=0.1, adam_eps=1e-5), ctx)
+    ocfg = OptimizerConfig(lr=lr, clip_grad=1.0, weight_decay=0.1, adam_eps=1e-5)
+    if zero is not None:
+        from megacoat.optim.distributed import DistributedOptimizer
+        return model, DistributedOptimizer(model, ocfg, ctx, zero)
+    opt = MixedPrecisionAdamW(model, ocfg, ctx)
     return model, opt
 
 
@@ -50,12 +55,27 @@ def run_step(model, opt, micro, n_micro: int):
     opt.zero_grad()
     total = 0.0
     device = next(model.parameters()).device
-    for b in micro:
+    for i, b in enumerate(micro):
+        opt.start_micro_batch(is_last=i == len(micro) - 1)
         b = {k: v.to(device) for k, v in b.items()}
         loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
         (loss / n_micro).backward()
         total += loss.item() / n_micro
     return total
+
+
+def full_weights(model, ctx: ParallelContext) -> dict:
+    """Full-model weights by global name (TP shards gathered)."""
+    out = {}
+    for p in model.parameters():
+        w = p.detach().clone()
+        if p.tensor_model_parallel and ctx.tp_size > 1:
+            parts = [torch.empty_like(w) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, w.contiguous(), group=ctx.tp_group)
+            dim, sizes = p.shard_info
+            w = full_from_shards(parts, dim, sizes)
+        out[p.global_name] = trim_vocab(p.global_name, w)
+    return out
 
 
 def full_grads(model, ctx: ParallelContext) -> dict:

@@ -70,7 +70,9 @@ def test_cli_tp2_sp_and_dp2_equal_single(tmp_path):
     r = run_cli(common + ["--log-json", str(single)])
     assert r.returncode == 0, r.stderr[-3000:]
     for name, extra in (("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                        ("dp2", [])):
+                        ("dp2", []),
+                        ("dp2zero", ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                     "--ddp-bucket-size", "5000"])):
         path = tmp_path / f"{name}.jsonl"
         r = run_cli(common + extra + ["--log-json", str(path)], nproc=2)
         assert r.returncode == 0, r.stderr[-3000:]

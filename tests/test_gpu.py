@@ -57,3 +57,11 @@ def test_bf16_compiled_matches_eager_and_trains():
 @pytest.mark.parametrize("sp", [False, True])
 def test_nccl_tp2_equals_tp1(sp):
     run_distributed(_tp_vs_single, 2, 2, sp, {}, 2, "cuda", backend="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_zero_overlap_equals_single():
+    """In-place NCCL reduce-scatter / all-gather on bucket slices (gloo takes another path)."""
+    from test_zero import _zero_vs_single
+    run_distributed(_zero_vs_single, 2, 1, dict(bucket_size=3000, overlap_grad_reduce=True,
+                                                overlap_param_gather=True), 3, None, False, "cuda", backend="nccl")

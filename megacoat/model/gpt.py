@@ -53,9 +53,19 @@ class GPTModel(nn.Module):
         if compile_layers:
             for layer in self.layers:
                 layer.compile()
+        # Called with each top-level module just before its forward, outside compiled code: the
+        # ZeRO optimizer waits there for the deferred all-gather of that module's weights.
+        self.pre_module_hook = None
+
+    def _before(self, module: nn.Module) -> None:
+        if self.pre_module_hook is not None:
+            self.pre_module_hook(module)
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under SP)."""
+        self._before(self.embedding)
+        if self.position_embedding is not None:
+            self._before(self)  # the learned position table is a direct parameter of the model
         x = self.embedding(tokens).transpose(0, 1).contiguous()
         if self.lc.sequence_parallel:
             x = reduce_scatter_to_sequence_parallel_region(x, self.lc.tp_group)
@@ -80,8 +90,11 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids)
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
         for layer in self.layers:
+            self._before(layer)
             x = layer(x, rope, attention_mask)
+        self._before(self.final_norm)
         x = self.final_norm(x)
+        self._before(self.output_layer)
         logits = self.output_layer(x, weight=self.embedding.weight if self.tied else None)  # [s, b, V/tp]
         if labels is None:
             full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)

@@ -1,4 +1,4 @@
-"""Contiguous gradient buffer: every parameter's `main_grad` is a view into one flat tensor.
+"""Contiguous gradient (and weight) buffers: every parameter's `main_grad` is a view into one flat tensor.
 
 Gradients accumulate there across micro-batches in fp32 (or bf16 when asked), so that the
 data-parallel sync is one collective over one buffer, and bf16 parameters never accumulate
@@ -7,51 +7,179 @@ their gradients (what bucketed, overlapped syncs will need).
 """
 from __future__ import annotations
 
-from typing import List
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 
-class GradBuffer:
-    def __init__(self, params: List[nn.Parameter], dtype: torch.dtype = torch.float32):
-        self.params = [p for p in params if p.requires_grad]
-        order = list(reversed(self.params))
-        numel = sum(p.numel() for p in order)
-        device = order[0].device if order else torch.device("cpu")
-        self.data = torch.zeros(numel, dtype=dtype, device=device)
-        self.offsets = {}
-        offset = 0
-        for p in order:
-            p.main_grad = self.data[offset: offset + p.numel()].view_as(p)
-            self.offsets[id(p)] = offset
-            offset += p.numel()
-        # Parameters whose main_grad holds nothing of this step yet: their first gradient is
-        # copied rather than added, which saves zeroing the buffer and re-reading zeros.
-        self._fresh = {id(p) for p in self.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+class GradAccumulator:
+    """Moves each fresh `.grad` into `param.main_grad` (a buffer view) from a post-accumulate hook.
+
+    The first gradient of a step is copied, later ones (micro-batches) added: no zeroing pass
+    over the buffer and no bf16 accumulation; `.grad` is freed as soon as it is produced.
+    `on_ready(param)` is called after each move (the ZeRO optimizer uses it to launch a bucket's
+    reduce-scatter as soon as its last gradient of the step arrives).
+    """
+
+    def __init__(self, params: List[nn.Parameter], on_ready=None):
+        self.params = params
+        self.on_ready = on_ready
+        self._fresh = {id(p) for p in params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
     def _accumulate(self, p: torch.Tensor) -> None:
-        # Move the gradient into the fp32 buffer and drop it: no bf16 accumulation, and the
-        # per-parameter .grad memory is freed as soon as it is produced.
         if id(p) in self._fresh:
             p.main_grad.copy_(p.grad)
             self._fresh.discard(id(p))
         else:
             p.main_grad.add_(p.grad)
         p.grad = None
+        if self.on_ready is not None:
+            self.on_ready(p)
 
     def zero(self) -> None:
         """Start a new step: the next gradient of every parameter overwrites its main_grad."""
         self._fresh = {id(p) for p in self.params}
 
-    def finalize(self) -> None:
-        """After the last backward of a step: parameters that received no gradient get zeros."""
-        for p in self.params:
-            if id(p) in self._fresh:
-                p.main_grad.zero_()
+    def finalize(self) -> List[nn.Parameter]:
+        """After the last backward: zero the main_grad of parameters that got no gradient; return them."""
+        missing = [p for p in self.params if id(p) in self._fresh]
+        for p in missing:
+            p.main_grad.zero_()
         self._fresh = set()
+        return missing
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class GradBuffer:
+    """One flat gradient buffer (no buckets, no weight buffer): the non-sharded optimizer's."""
+
+    def __init__(self, params: List[nn.Parameter], dtype: torch.dtype = torch.float32):
+        self.params = [p for p in params if p.requires_grad]
+        order = list(reversed(self.params))
+        numel = sum(p.numel() for p in order)
+        device = order[0].device if order else torch.device("cpu")
+        self.data = torch.zeros(numel, dtype=dtype, device=device)
+        offset = 0
+        for p in order:
+            p.main_grad = self.data[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.accumulator = GradAccumulator(self.params)
+
+    def zero(self) -> None:
+        self.accumulator.zero()
+
+    def finalize(self) -> None:
+        self.accumulator.finalize()
+
+
+def shard_alignment(dp_size: int, group_sizes=(128, 2048)) -> int:
+    """Every DP shard of a bucket is a multiple of the largest quantization group any
+    communication or state codec uses, so groups never straddle owners: buckets are padded to
+    a multiple of dp * lcm(groups)."""
+    align = 1
+    for g in group_sizes:
+        align = math.lcm(align, g)
+    return dp_size * align
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of the buffers (padded), split evenly over DP ranks."""
+
+    index: int
+    start: int
+    end: int
+    params: List[nn.Parameter]
+    param_ranges: Dict[int, Tuple[int, int]]   # id(param) -> absolute [start, end) in the buffers
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.dp_size
+
+    @property
+    def owned(self) -> Tuple[int, int]:
+        """This rank's absolute [start, end) in the buffers."""
+        s = self.start + self.dp_rank * self.shard_size
+        return s, s + self.shard_size
+
+
+class ParamGradBuffer:
+    """Contiguous weight and gradient buffers of the ZeRO optimizer, split into buckets.
+
+    Model parameters become views of `param_data` (so a bucket's all-gather writes the weights
+    in place) and their `main_grad` views of `grad_data`. Layout: reverse registration order,
+    buckets of at least `bucket_size` elements closed at parameter boundaries, each padded with
+    zeros to a multiple of `shard_alignment(dp)`. Padding is never written by the optimizer.
+    """
+
+    def __init__(self, params: List[nn.Parameter], grad_dtype: torch.dtype, dp_size: int, dp_rank: int,
+                 bucket_size: Optional[int], align: int):
+        self.params = [p for p in params if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one buffer holds one parameter dtype, got {dtypes}")
+        self.param_dtype = dtypes.pop()
+        device = self.params[0].device
+        order = list(reversed(self.params))
+        total = sum(p.numel() for p in order)
+        bucket_size = bucket_size or total
+        self.buckets: List[Bucket] = []
+        ranges: Dict[int, Tuple[int, int]] = {}
+        offset, current, bucket_start = 0, [], 0
+        for i, p in enumerate(order):
+            ranges[id(p)] = (offset, offset + p.numel())
+            offset += p.numel()
+            current.append(p)
+            if offset - bucket_start >= bucket_size or i == len(order) - 1:
+                end = bucket_start + _round_up(offset - bucket_start, align)
+                self.buckets.append(Bucket(len(self.buckets), bucket_start, end, current,
+                                           {id(q): ranges[id(q)] for q in current}, dp_size, dp_rank))
+                offset = bucket_start = end
+                current = []
+        self.param_ranges = ranges
+        self.param_data = torch.zeros(offset, dtype=self.param_dtype, device=device)
+        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.bucket_of = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                for p in b.params:
+                    s, e = b.param_ranges[id(p)]
+                    self.param_data[s:e].copy_(p.data.view(-1))
+                    p.data = self.param_data[s:e].view_as(p)
+                    p.main_grad = self.grad_data[s:e].view_as(p)
+                    self.bucket_of[id(p)] = b
+
+    def bucket_param(self, b: Bucket) -> torch.Tensor:
+        return self.param_data[b.start:b.end]
+
+    def bucket_grad(self, b: Bucket) -> torch.Tensor:
+        return self.grad_data[b.start:b.end]
+
+    def owned_segments(self, b: Bucket):
+        """(param, param-local [start, end), absolute [start, end)) for every param overlapping
+        this rank's shard of bucket b, in buffer order; a param may straddle shard boundaries."""
+        lo, hi = b.owned
+        out = []
+        for p in b.params:
+            s, e = b.param_ranges[id(p)]
+            a, z = max(s, lo), min(e, hi)
+            if a < z:
+                out.append((p, (a - s, z - s), (a, z)))
+        return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m

@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 
 
-def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group) -> torch.Tensor:
+def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group, extra_group=None) -> torch.Tensor:
     """L2 norm of the full model's gradient, as a 0-dim fp32 tensor on every rank.
 
     `counted[i]` is False for a tensor-parallel duplicate on TP ranks other than 0, so that
     duplicated parameters (norms, biases of row-parallel layers) are counted once. The sum of
     squares is all-reduced over the model-parallel group (TP x PP); DP ranks already hold the
-    same averaged gradient.
+    same averaged gradient, except under ZeRO, where each holds a different slice: then
+    `extra_group` (the DP group) sums the slices first.
     """
     mine = [g for g, c in zip(grads, counted) if c]
     if mine:
@@ -22,8 +23,9 @@ def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group) -
     else:
         device = grads[0].device if grads else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float32, device=device)
-    if mp_group is not None and dist.get_world_size(mp_group) > 1:
-        dist.all_reduce(sq, group=mp_group)
+    for group in (extra_group, mp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
 

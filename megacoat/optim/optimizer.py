@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.plain import CommStats, PlainAllReduce
+from ..comm.base import CommStats
+from ..comm.plain import PlainAllReduce
 from ..config import OptimizerConfig
 from ..parallel.context import ParallelContext
 from .buffers import GradBuffer
-from .clip import clip_coefficient, global_grad_norm
+from .adamw import Fp32AdamW
+from .clip import global_grad_norm
 
 
 @dataclass
@@ -51,14 +53,6 @@ class StepResult:
     comm_bytes: dict
 
 
-def param_groups(params: List[nn.Parameter], weight_decay: float):
-    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors)."""
-    decay = [p for p in params if p.ndim > 1]
-    no_decay = [p for p in params if p.ndim <= 1]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-
-
 class MixedPrecisionAdamW:
     """AdamW on an fp32 master copy of every parameter, gradients all-reduced over DP.
 
@@ -78,21 +72,7 @@ class MixedPrecisionAdamW:
         self.counted = [bool(getattr(p, "tensor_model_parallel", False)) or ctx.tp_rank == 0 for p in self.params]
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.fused = self.params[0].is_cuda
-        self.opt = torch.optim.AdamW(param_groups(self.masters, cfg.weight_decay), lr=cfg.lr,
-                                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                     **({"fused": True} if self.fused else {"foreach": True}))
-        self.opt.grad_scale = None  # set per step by _fused_step (read by torch's fused AdamW)
-        self.opt.found_inf = None
-        self._init_adam_state()
-
-    def _init_adam_state(self) -> None:
-        """Create the moments now (torch creates them lazily) so checkpoints can address them."""
-        for m in self.masters:
-            self.opt.state[m] = {
-                "step": torch.zeros((), dtype=torch.float32, device=m.device if self.fused else "cpu"),
-                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
-            }
+        self.codec = Fp32AdamW(self.masters, [p.ndim <= 1 for p in self.params], cfg, self.fused)
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
@@ -108,6 +88,9 @@ class MixedPrecisionAdamW:
             p.main_grad.copy_(flat[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
 
+    def start_micro_batch(self, is_last: bool) -> None:
+        """Nothing to overlap: the all-reduce runs in step()."""
+
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         self.grad_buffer.finalize()
@@ -117,12 +100,7 @@ class MixedPrecisionAdamW:
         norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
         for m, g in zip(self.masters, grads):
             m.grad = g if g.dtype == torch.float32 else g.float()
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        if self.fused:
-            success = self._fused_step(norm)
-        else:
-            success = self._host_checked_step(norm)
+        success = self.codec.step(lr, norm, lambda c: [m.grad.mul_(c) for m in self.masters])
         for m in self.masters:
             m.grad = None
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
@@ -130,62 +108,27 @@ class MixedPrecisionAdamW:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
         return StepResult(success, norm, self.stats.pop())
 
-    def _fused_step(self, norm: torch.Tensor) -> torch.Tensor:
-        """Clip and skip on the device, without waiting for the norm on the host.
-
-        The fused kernel divides gradients by `grad_scale` as it reads them (clipping costs no
-        pass over the buffer) and leaves parameters, moments and step count untouched when
-        `found_inf` is 1 (a non-finite norm skips the step on every rank alike).
-        """
-        found_inf = (~torch.isfinite(norm)).float()
-        if self.cfg.clip_grad > 0:
-            # 1 / Megatron's clip coefficient max_norm / (norm + 1e-6), applied only when it is < 1.
-            scale = torch.clamp((norm + 1e-6) / self.cfg.clip_grad, min=1.0)
-            self.opt.grad_scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0)
-        self.opt.found_inf = found_inf
-        self.opt.step()
-        return found_inf == 0
-
-    def _host_checked_step(self, norm: torch.Tensor) -> torch.Tensor:
-        value = norm.item()
-        if not math.isfinite(value):
-            return torch.tensor(False)
-        coeff = clip_coefficient(value, self.cfg.clip_grad)
-        if coeff < 1.0:
-            self.grad_buffer.data.mul_(coeff)
-        self.opt.step()
-        return torch.tensor(True)
-
     def memory_report(self) -> dict:
         """Bytes per parameter held by this rank for each kind of model state."""
         n = sum(p.numel() for p in self.params)
         weights = sum(p.numel() * p.element_size() for p in self.params)
         master = sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
-        states = 2 * 4 * n
+        states = self.codec.bytes_per_element * n
         grads = self.grad_buffer.data.numel() * self.grad_buffer.data.element_size()
         return {"params": n, "weights": weights / n, "grads": grads / n, "master": master / n,
                 "optimizer_states": states / n}
 
     # ------------------------------------------------------------------ checkpoint interface
     def state_ranges(self) -> List[ParamStateRange]:
-        out = []
-        for p, m in zip(self.params, self.masters):
-            st = self.opt.state[m]
-            out.append(ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1),
-                                                         "exp_avg": st["exp_avg"].view(-1),
-                                                         "exp_avg_sq": st["exp_avg_sq"].view(-1)}))
-        return out
+        return [ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1), **self.codec.state_views(i)})
+                for i, (p, m) in enumerate(zip(self.params, self.masters))]
 
     def scalar_state(self) -> dict:
         """Optimizer scalars: the Adam step count (the same for every parameter)."""
-        steps = {float(self.opt.state[m]["step"]) for m in self.masters}
-        if len(steps) != 1:
-            raise RuntimeError(f"Adam step counts differ across parameters: {sorted(steps)}")
-        return {"adam_step": steps.pop()}
+        return self.codec.scalar_state()
 
     def load_scalar_state(self, d: dict) -> None:
-        for m in self.masters:
-            self.opt.state[m]["step"].fill_(d["adam_step"])
+        self.codec.load_scalar_state(d)
 
     @torch.no_grad()
     def after_load(self) -> None:

@@ -23,9 +23,10 @@ class PrecisionRecipe:
         return {torch.bfloat16: "bf16", torch.float32: "fp32"}[self.params_dtype]
 
 
-def resolve_precision(t: TrainingConfig, device: torch.device) -> PrecisionRecipe:
+def resolve_precision(t: TrainingConfig, device: torch.device, grad_reduce_in_bf16: bool = False) -> PrecisionRecipe:
+    grad = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
     if t.bf16:
-        return PrecisionRecipe(torch.bfloat16)
+        return PrecisionRecipe(torch.bfloat16, grad)
     if t.fp32:
-        return PrecisionRecipe(torch.float32)
-    return PrecisionRecipe(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return PrecisionRecipe(torch.float32, grad)
+    return PrecisionRecipe(torch.bfloat16 if device.type == "cuda" else torch.float32, grad)

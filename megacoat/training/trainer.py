@@ -23,7 +23,7 @@ from ..model.gpt import GPTModel, padded_vocab_size
 from ..model.loss import masked_mean_loss
 from ..model.transformer import LayerContext
 from ..optim.lr_scheduler import LRScheduler
-from ..optim.optimizer import MixedPrecisionAdamW
+from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, init_distributed
 from ..parallel.random import seed_everything
 from ..precision.recipe import resolve_precision
@@ -81,7 +81,7 @@ class Trainer:
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node)
-        self.recipe = resolve_precision(cfg.train, self.device)
+        self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16)
         self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.device)
         self.tokenizer = build_tokenizer(cfg.data)
         m = cfg.model
@@ -94,7 +94,9 @@ class Trainer:
         lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
                           self.device, cfg.train.seed)
         self.model = GPTModel(m, lc, self.tokenizer.vocab_size, self.padded_vocab, compile_layers=compile_layers)
-        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optim, self.ctx, self.recipe.grad_dtype)
+        self.optimizer = build_optimizer(self.model, cfg, self.ctx, self.recipe.grad_dtype)
+        # Measured model-state memory (weights, grads, masters, states) before any activation.
+        self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.scheduler = LRScheduler(cfg.optim, cfg.train.train_iters)
         self.num_micro = num_microbatches(cfg, self.ctx.dp_size)
         self.state = TrainState()
@@ -120,7 +122,8 @@ class Trainer:
         """Forward and backward over the step's micro-batches; returns this rank's mean loss (device)."""
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            self.optimizer.start_micro_batch(is_last=i == len(micro_batches) - 1)
             b = _to_device(batch, self.device)
             per_token = self.model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
             loss = masked_mean_loss(per_token, b["loss_mask"])
@@ -165,8 +168,11 @@ class Trainer:
 
     def train(self, on_step: Optional[Callable[["Trainer", StepRecord], None]] = None) -> TrainState:
         cfg = self.cfg
+        memory = self.optimizer.memory_report()
+        if self.setup_memory is not None:
+            memory["measured_total"] = self.setup_memory / memory["params"]
         print_config(cfg, self.ctx, self.recipe.name, self.device, self.model, self.padded_vocab,
-                     self.tokenizer.vocab_size, self.optimizer.memory_report(), self.logger)
+                     self.tokenizer.vocab_size, memory, self.logger)
         iters = self.data_iterators()
         self.logger.start()
         while self.state.iteration < cfg.train.train_iters:
