@@ -22,7 +22,7 @@ from megacoat.training.trainer import TrainState
 from parallel_harness import VOCAB, batches, build, run_step, small_model_config
 
 MODEL_KW = dict(group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True)
-N_MICRO, MBS = 2, 2
+GLOBAL_MICRO, MBS = 4, 2  # global batch: 4 micro-batches of 2, split over DP
 
 
 def trainer_like(model, opt, ctx, m, save_dir=None, load_dir=None):
@@ -37,9 +37,10 @@ def trainer_like(model, opt, ctx, m, save_dir=None, load_dir=None):
 
 def global_step(model, opt, ctx, step):
     """One optimizer step on global batch `step` (this DP rank's block); returns the global loss."""
-    glob = batches(step, ctx.dp_size * N_MICRO, MBS, 16)
-    mine = glob[ctx.dp_rank * N_MICRO:(ctx.dp_rank + 1) * N_MICRO]
-    loss = torch.tensor(run_step(model, opt, mine, N_MICRO))
+    n_micro = GLOBAL_MICRO // ctx.dp_size
+    glob = batches(step, GLOBAL_MICRO, MBS, 16)
+    mine = glob[ctx.dp_rank * n_micro:(ctx.dp_rank + 1) * n_micro]
+    loss = torch.tensor(run_step(model, opt, mine, n_micro))
     opt.step(1e-2)
     if ctx.dp_size > 1:
         dist.all_reduce(loss, group=ctx.dp_group)
@@ -61,8 +62,10 @@ def _save_reference(rank, world, tmp):
         global_step(model, opt, ctx, step)
     t = trainer_like(model, opt, ctx, m, save_dir=os.path.join(tmp, "ckpt"))
     t.state.iteration = 2
-    ck = Checkpointer(t.cfg, ctx, log=lambda s: None)
-    ck.save(t)
+    Checkpointer(t.cfg, ctx, log=lambda s: None).save(t)
+    z = trainer_like(model, FlatShardedView(opt, ctx.dp_rank, ctx.dp_size), ctx, m, save_dir=os.path.join(tmp, "zero"))
+    z.state.iteration = 2
+    Checkpointer(z.cfg, ctx, log=lambda s: None).save(z)
     before = probe_logits(model)
     loss3 = global_step(model, opt, ctx, 2)
     after = probe_logits(model)
@@ -79,6 +82,7 @@ def _load_and_compare(rank, world, tp, tmp):
     assert t.state.iteration == 2
     ref = torch.load(os.path.join(tmp, "ref.pt"))
     torch.testing.assert_close(probe_logits(model), ref["before"], rtol=1e-5, atol=1e-5)
+    check_zero_style_load(m, ctx, opt, tmp)
     loss3 = global_step(model, opt, ctx, 2)
     assert abs(loss3 - ref["loss3"]) <= 1e-5 * abs(ref["loss3"]), (loss3, ref["loss3"])
     torch.testing.assert_close(probe_logits(model), ref["after"], rtol=1e-4, atol=1e-4)
@@ -91,7 +95,7 @@ def reference(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (1, 2), (1, 4), (4, 4)])
+@pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (1, 4)])  # saved at TP 2 x DP 2
 def test_load_at_other_layout(reference, tp, world):
     run_distributed(_load_and_compare, world, tp, reference)
 
@@ -103,6 +107,9 @@ def test_checkpoint_holds_each_element_once(reference):
     assert files == {"rank_00000.bin", "rank_00001.bin"}  # DP rank 1 holds replicas only: nothing to write
     # Vocabulary padding is not stored: the embedding is [VOCAB, hidden] at any TP.
     assert reader.canonical("model", "embedding.word_embeddings.weight").shape[0] == VOCAB
+    zero = CheckpointReader(os.path.join(reference, "zero", "iter_0000002"))
+    files = {rec["file"] for e in zero.tensors.values() for rec in e["pieces"]}
+    assert len(files) == 4  # ZeRO-style: every rank writes its own shard
 
 
 # ------------------------------------------------------------------------------ ZeRO-style
@@ -129,36 +136,15 @@ class FlatShardedView:
         return self.opt.scalar_state()
 
 
-def _zero_save(rank, world, tmp):
-    m = small_model_config(**MODEL_KW)
-    ctx = ParallelContext.build(2, 1, torch.device("cpu"))
-    model, opt = build(m, ctx, sp=False)
-    global_step(model, opt, ctx, 0)
-    for name, optimizer in (("zero", FlatShardedView(opt, ctx.dp_rank, ctx.dp_size)), ("plain", opt)):
-        t = trainer_like(model, optimizer, ctx, m, save_dir=os.path.join(tmp, name))
-        t.state.iteration = 1
-        Checkpointer(t.cfg, ctx, log=lambda s: None).save(t)
-
-
-def _zero_load(rank, world, tp, tmp):
+def check_zero_style_load(m, ctx, loaded_opt, tmp):
+    """Load the ZeRO-style checkpoint into this layout's ZeRO-style ranges: equal to the plain load."""
     from megacoat.checkpoint.checkpointer import load_optimizer_state
-    m = small_model_config(**MODEL_KW)
-    ctx = ParallelContext.build(tp, 1, torch.device("cpu"))
     model, opt = build(m, ctx, sp=False, seed=7)
     view = FlatShardedView(opt, ctx.dp_rank, ctx.dp_size)
-    load_optimizer_state(CheckpointReader(os.path.join(tmp, "zero", "iter_0000001")), model, view,
+    load_optimizer_state(CheckpointReader(os.path.join(tmp, "zero", "iter_0000002")), model, view,
                          ctx.tp_rank, ctx.tp_size)
-    ref_model, ref_opt = build(m, ctx, sp=False, seed=8)
-    load_optimizer_state(CheckpointReader(os.path.join(tmp, "plain", "iter_0000001")), ref_model, ref_opt,
-                         ctx.tp_rank, ctx.tp_size)
-    ref = {r.param.global_name: r.tensors for r in ref_opt.state_ranges()}
+    ref = {r.param.global_name: r.tensors for r in loaded_opt.state_ranges()}
     assert view.state_ranges()
     for r in view.state_ranges():
         for state, got in r.tensors.items():
             torch.testing.assert_close(got, ref[r.param.global_name][state][r.start:r.end], rtol=0, atol=0)
-
-
-def test_zero_style_ranges_reshard(tmp_path):
-    run_distributed(_zero_save, 4, str(tmp_path))
-    run_distributed(_zero_load, 4, 1, str(tmp_path))   # TP 2 -> 1, DP 2 -> 4
-    run_distributed(_zero_load, 2, 2, str(tmp_path))   # TP 2, DP 2 -> 1

@@ -40,9 +40,10 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((n,) + x.shape, dtype=x.dtype, device=x.device)
+    # Output stacked along dim 0 (the layout every backend accepts; gloo refuses an extra leading dim).
+    out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x, group=group)
-    return torch.cat(out.unbind(0), dim=-1)
+    return torch.cat(out.chunk(n, dim=0), dim=-1)
 
 
 def _split_first(x: torch.Tensor, group) -> torch.Tensor:
