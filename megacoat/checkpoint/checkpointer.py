@@ -61,7 +61,10 @@ def apply_checkpoint_args(cfg: MegacoatConfig, log: Callable[[str], None] = _pri
     if path is None:
         return
     saved = CheckpointReader(path).config
-    for name, value in saved.get("model", {}).items():
+    model = dict(saved.get("model", {}))
+    if not model.get("group_query_attention", False):
+        model["num_query_groups"] = None  # resolved to the head count, which the flag parser refuses without GQA
+    for name, value in model.items():
         if getattr(cfg.model, name) != value:
             log(f"--use-checkpoint-args: {_flag(name)} {value} (was {getattr(cfg.model, name)})")
             setattr(cfg.model, name, value)

@@ -1,0 +1,127 @@
+"""Exact resume (N + N steps == 2N steps, bit for bit on CPU), --async-save, --finetune, and
+clear errors for bad checkpoints (missing dir, empty tracker, missing/corrupted shard, other flags)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megacoat.checkpoint import CheckpointError
+from megacoat.config import parse_args
+from megacoat.training.trainer import Trainer
+from test_cli import ROOT, TINY, _env, _losses, run_cli
+
+COMMON = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0"]  # dropout 0.1 stays on
+
+
+def train(args, log_stream=None):
+    """Train in this process (world 1); returns the losses of the steps it ran."""
+    trainer = Trainer(parse_args(COMMON + args), log_stream=log_stream or open(os.devnull, "w"))
+    state = trainer.train()
+    return [r.loss for r in state.history], trainer
+
+
+def test_exact_resume_single_process(tmp_path):
+    ref, _ = train(["--train-iters", "6"])
+    save = str(tmp_path / "ckpt")
+    first, _ = train(["--train-iters", "6", "--save", save, "--exit-interval", "3"])
+    second, t = train(["--train-iters", "6", "--save", save, "--load", save])
+    assert first + second == ref  # bit-identical
+    assert t.state.consumed_samples == 24 and t.scheduler.num_steps == 6
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "6"
+
+
+@pytest.mark.slow
+def test_exact_resume_tp2_async_save(tmp_path):
+    """Two processes (TP 2 with SP), background saves every 2 iterations, exit at 3, resume to 6."""
+    args = COMMON + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "6"]
+    r = run_cli(args + ["--log-json", str(tmp_path / "ref.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    save = str(tmp_path / "ckpt")
+    run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
+    r = run_cli(run + ["--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    r = run_cli(run + ["--log-json", str(tmp_path / "b.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "loaded checkpoint" in r.stdout
+    assert _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "ref.jsonl")
+
+
+def test_finetune_and_no_load_optim(tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(["--train-iters", "3", "--save", save])
+    _, t = train(["--train-iters", "2", "--load", save, "--finetune"])
+    assert t.state.iteration == 2 and t.state.consumed_samples == 8  # started from 0
+    _, t = train(["--train-iters", "4", "--load", save, "--no-load-optim"])
+    assert t.state.iteration == 4  # resumed at 3, fresh optimizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("bad") / "ckpt")
+    train(["--train-iters", "2", "--save", save])
+    return save
+
+
+def _copy(saved, tmp_path):
+    dst = str(tmp_path / "copy")
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _load_error(load_dir, extra=()):
+    with pytest.raises(CheckpointError) as e:
+        train(["--train-iters", "3", "--load", load_dir] + list(extra))
+    return str(e.value)
+
+
+def test_missing_directory(tmp_path):
+    assert "does not exist" in _load_error(str(tmp_path / "nope"))
+
+
+def test_empty_tracker(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w").close()
+    assert "is empty" in _load_error(d)
+
+
+def test_missing_shard(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    os.remove(os.path.join(d, "iter_0000002", "rank_00000.bin"))
+    assert "missing shard" in _load_error(d)
+
+
+def test_corrupted_shard(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    path = os.path.join(d, "iter_0000002", "rank_00000.bin")
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "CRC32 mismatch" in _load_error(d)
+
+
+def test_wrong_dtype_in_metadata(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    meta_path = os.path.join(d, "iter_0000002", "metadata.json")
+    meta = json.load(open(meta_path))
+    meta["tensors"]["model/final_norm.weight"]["pieces"][0]["dtype"] = "bfloat16"
+    json.dump(meta, open(meta_path, "w"))
+    assert "dtype" in _load_error(d)
+
+
+def test_mismatched_num_layers_names_the_flag(saved):
+    msg = _load_error(saved, ["--num-layers", "3"])
+    assert "--num-layers: checkpoint 2, this run 3" in msg and "--use-checkpoint-args" in msg
+    # ... and --use-checkpoint-args takes the saved architecture instead.
+    _, t = train(["--train-iters", "3", "--load", saved, "--num-layers", "3", "--use-checkpoint-args"])
+    assert t.cfg.model.num_layers == 2 and t.state.iteration == 3
+
+
+def test_cli_reports_checkpoint_errors_without_traceback(tmp_path):
+    r = run_cli(COMMON + ["--train-iters", "1", "--load", str(tmp_path / "nope")])
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
