@@ -32,7 +32,7 @@ from ..parallel.context import ParallelContext
 from .adamw import Fp32AdamW
 from .buffers import Bucket, GradAccumulator, ParamGradBuffer, shard_alignment
 from .clip import global_grad_norm
-from .optimizer import ParamStateRange, StepResult
+from .optimizer import CodecScalars, ParamStateRange, StepResult, all_reduce_packed
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ZeroOptions:
     grad_dtype: torch.dtype = torch.float32
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(CodecScalars):
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, ctx: ParallelContext, opts: ZeroOptions,
                  comm=None):
         self.cfg, self.ctx, self.opts = cfg, ctx, opts
@@ -157,18 +157,9 @@ class DistributedOptimizer:
 
     def _sync_sequence_parallel_grads(self, grads: List[torch.Tensor]) -> None:
         """Norm weights see only their sequence shard under SP: sum their owned grads over TP."""
-        if self.ctx.tp_size == 1:
-            return
-        idx = [i for i, s in enumerate(self.segments) if getattr(s.param, "sequence_parallel", False)]
-        if not idx:
-            return
-        flat = torch.cat([grads[i] for i in idx])
-        dist.all_reduce(flat, group=self.ctx.tp_group)
-        offset = 0
-        for i in idx:
-            n = grads[i].numel()
-            grads[i].copy_(flat[offset: offset + n])
-            offset += n
+        if self.ctx.tp_size > 1:
+            all_reduce_packed([g for g, s in zip(grads, self.segments)
+                               if getattr(s.param, "sequence_parallel", False)], self.ctx.tp_group)
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -213,12 +204,6 @@ class DistributedOptimizer:
         return [ParamStateRange(s.param, s.local[0], s.local[1],
                                 {"master": s.master.detach().view(-1), **self.codec.state_views(i)})
                 for i, s in enumerate(self.segments)]
-
-    def scalar_state(self) -> dict:
-        return self.codec.scalar_state()
-
-    def load_scalar_state(self, d: dict) -> None:
-        self.codec.load_scalar_state(d)
 
     @torch.no_grad()
     def after_load(self) -> None:

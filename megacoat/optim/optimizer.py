@@ -53,7 +53,30 @@ class StepResult:
     comm_bytes: dict
 
 
-class MixedPrecisionAdamW:
+def all_reduce_packed(tensors: List[torch.Tensor], group) -> None:
+    """Sum each tensor over `group` in place, with one collective for all of them."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class CodecScalars:
+    """Checkpoint scalars of an optimizer whose AdamW lives in `self.codec`."""
+
+    def scalar_state(self) -> dict:
+        """Optimizer scalars: the Adam step count (the same for every parameter)."""
+        return self.codec.scalar_state()
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.codec.load_scalar_state(d)
+
+
+class MixedPrecisionAdamW(CodecScalars):
     """AdamW on an fp32 master copy of every parameter, gradients all-reduced over DP.
 
     Model parameters may be bf16 (the compute copy) or fp32 (then the master is the parameter
@@ -79,14 +102,8 @@ class MixedPrecisionAdamW:
 
     def _sync_sequence_parallel_grads(self) -> None:
         """Norm weights see only their sequence shard under SP: sum their grads over TP."""
-        if not self.sp_params or self.ctx.tp_size == 1:
-            return
-        flat = torch.cat([p.main_grad.reshape(-1) for p in self.sp_params])
-        dist.all_reduce(flat, group=self.ctx.tp_group)
-        offset = 0
-        for p in self.sp_params:
-            p.main_grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        if self.ctx.tp_size > 1:
+            all_reduce_packed([p.main_grad for p in self.sp_params], self.ctx.tp_group)
 
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to overlap: the all-reduce runs in step()."""
@@ -122,13 +139,6 @@ class MixedPrecisionAdamW:
     def state_ranges(self) -> List[ParamStateRange]:
         return [ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1), **self.codec.state_views(i)})
                 for i, (p, m) in enumerate(zip(self.params, self.masters))]
-
-    def scalar_state(self) -> dict:
-        """Optimizer scalars: the Adam step count (the same for every parameter)."""
-        return self.codec.scalar_state()
-
-    def load_scalar_state(self, d: dict) -> None:
-        self.codec.load_scalar_state(d)
 
     @torch.no_grad()
     def after_load(self) -> None:

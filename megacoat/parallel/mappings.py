@@ -75,82 +75,35 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+def _identity(x, group):
+    return x
 
 
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _region(name: str, forward, backward):
+    """An autograd function applying `forward(x, group)` and, to the gradient, `backward(g, group)`."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+    class Region(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g, ctx.group), None
 
-class _ScatterLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_last(g, ctx.group), None
+    Region.__name__ = Region.__qualname__ = name
+    return Region
 
 
-class _GatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last(g, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence; backward reduce-scatters (the consumer is TP-split)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_first(g, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.group), None
+_Copy = _region("_Copy", _identity, _all_reduce)
+_Reduce = _region("_Reduce", _all_reduce, _identity)
+_ScatterLast = _region("_ScatterLast", _split_last, _gather_last)
+_GatherLast = _region("_GatherLast", _gather_last, _split_last)
+_ScatterSeq = _region("_ScatterSeq", _split_first, _gather_first)
+# All-gather along the sequence; backward reduce-scatters (the consumer is TP-split).
+_GatherSeq = _region("_GatherSeq", _gather_first, _reduce_scatter_first)
+_ReduceScatterSeq = _region("_ReduceScatterSeq", _reduce_scatter_first, _gather_first)
 
 
 def copy_to_tp_region(x, group):
