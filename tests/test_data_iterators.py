@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from megacoat.model.masks import block_causal_mask
+
 from megacoat.config import parse_args, validate_config
 from megacoat.data import DataConfigError, build_data_iterators, build_tokenizer
 from megacoat.data.batch import BatchBuilder
@@ -58,10 +60,10 @@ def test_batch_fields(blended_cfg):
     tok = build_tokenizer(blended_cfg.data)
     it = build_data_iterators(blended_cfg, tok, 0, 1)
     mb = next(it.train)
-    assert set(mb) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
+    assert set(mb) == {"tokens", "labels", "loss_mask", "position_ids", "document_ids"}
     assert mb["tokens"].shape == (2, 32) and mb["tokens"].dtype == torch.int64
     assert mb["labels"].dtype == torch.int64 and mb["loss_mask"].dtype == torch.float32
-    assert mb["attention_mask"] is None
+    assert mb["document_ids"] is None
     sample = torch.from_numpy(it.train_dataset[0])
     assert torch.equal(mb["tokens"][0], sample[:-1]) and torch.equal(mb["labels"][0], sample[1:])
     assert torch.equal(mb["position_ids"][1], torch.arange(32))
@@ -170,12 +172,13 @@ def test_eod_masks_and_resets():
     samples[1][-2] = 4
     batch = BatchBuilder(eod=4, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)(samples)
     attend, pos = reference_masks(batch["tokens"], 4)
-    assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].shape == (6, 1, 40, 40)
-    assert torch.equal(batch["attention_mask"], attend)
+    mask = block_causal_mask(batch["document_ids"])
+    assert mask.dtype == torch.bool and mask.shape == (6, 1, 40, 40)
+    assert torch.equal(mask, attend)
     assert torch.equal(batch["position_ids"], pos)
     assert torch.equal(batch["loss_mask"], (batch["tokens"] != 4).float())
     plain = BatchBuilder(eod=4)(samples)
-    assert plain["attention_mask"] is None and bool((plain["loss_mask"] == 1).all())
+    assert plain["document_ids"] is None and bool((plain["loss_mask"] == 1).all())
     assert torch.equal(plain["position_ids"], torch.arange(40).repeat(6, 1))
 
 

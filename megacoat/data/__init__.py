@@ -4,7 +4,7 @@ The training loop needs two calls:
 
     tokenizer = build_tokenizer(cfg.data)
     iters = build_data_iterators(cfg, tokenizer, dp_rank=r, dp_size=d, consumed_samples=0)
-    batch = next(iters.train)   # tokens, labels, loss_mask, position_ids, attention_mask
+    batch = next(iters.train)   # tokens, labels, loss_mask, position_ids, document_ids
 
 See megacoat/data/README.md for the modules and the exact semantics.
 """

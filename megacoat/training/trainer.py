@@ -21,6 +21,7 @@ from ..data import build_data_iterators, build_tokenizer, check_vocab_size
 from ..model.flops import flops_per_token
 from ..model.gpt import GPTModel, padded_vocab_size
 from ..model.loss import masked_mean_loss
+from ..model.masks import block_causal_mask
 from ..model.transformer import LayerContext
 from ..optim.lr_scheduler import LRScheduler
 from ..optim.factory import build_optimizer
@@ -65,7 +66,10 @@ class TrainState:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    out = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    if out.get("document_ids") is not None:  # --reset-attention-mask: build the mask where it is used
+        out["attention_mask"] = block_causal_mask(out["document_ids"])
+    return out
 
 
 class Trainer:
