@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,20 +24,45 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def single_rank_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
+    """Per-token cross entropy (fp32) when no TP split exists; padding columns are excluded."""
+    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), target.flatten(),
+                           reduction="none").view(target.shape)
+
+
 class GPTModel(nn.Module):
+    """The whole model, or one pipeline stage (model chunk) of it.
+
+    A stage holds the transformer layers `layer_numbers` (global indices: names and initial
+    values do not depend on the split), the embedding if `pre_process` (first stage) and the
+    final norm, output layer and loss if `post_process` (last stage). With tied embeddings a last
+    stage that is not also the first holds a copy of the word embedding for its output layer,
+    initialised identically and marked `tied_copy = True` (its gradient is summed with the first
+    stage's before the optimizer step; checkpoints store the first stage's tensor only).
+    """
+
     def __init__(self, m: ModelConfig, lc: LayerContext, vocab_size: int, padded_vocab: int,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Sequence[int]] = None):
         super().__init__()
         self.m, self.lc = m, lc
         self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
         self.tied = not m.untie_embeddings_and_output_weights
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
         init = InitSpec(lc.seed, m.init_method_std, valid_rows=vocab_size)
-        self.embedding = VocabParallelEmbedding(padded_vocab, m.hidden_size, tp_group=lc.tp_group,
-                                                name="embedding.word_embeddings", init=init,
-                                                dtype=lc.dtype, device=lc.device)
+        self.embedding = None
+        if pre_process or (post_process and self.tied):
+            self.embedding = VocabParallelEmbedding(padded_vocab, m.hidden_size, tp_group=lc.tp_group,
+                                                    name="embedding.word_embeddings", init=init,
+                                                    dtype=lc.dtype, device=lc.device)
+            if not pre_process:
+                self.embedding.weight.tied_copy = True
         self.position_embedding = None
         self.rope = None
-        if m.position_embedding_type == "learned_absolute":
+        if m.position_embedding_type == "learned_absolute" and not pre_process:
+            pass  # learned positions are added by the first stage only
+        elif m.position_embedding_type == "learned_absolute":
             w = torch.empty(m.max_position_embeddings, m.hidden_size, device=lc.device, dtype=torch.float32)
             w.normal_(0.0, m.init_method_std,
                       generator=param_generator(lc.seed, "embedding.position_embeddings.weight", lc.device))
@@ -45,14 +70,22 @@ class GPTModel(nn.Module):
                                                           "embedding.position_embeddings.weight")
         else:
             self.rope = RotaryEmbedding(m.kv_channels, m.max_position_embeddings, m.rotary_base, device=lc.device)
-        self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in range(m.num_layers))
-        self.final_norm = Norm(m, lc, "final_norm")
-        self.output_layer = ColumnParallelLinear(m.hidden_size, padded_vocab, tp_group=lc.tp_group, name="output_layer",
-                                                 init=init, sequence_parallel=lc.sequence_parallel,
-                                                 dtype=lc.dtype, device=lc.device, skip_weight=self.tied)
+        self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in self.layer_numbers)
+        self.final_norm = self.output_layer = None
+        if post_process:
+            self.final_norm = Norm(m, lc, "final_norm")
+            self.output_layer = ColumnParallelLinear(m.hidden_size, padded_vocab, tp_group=lc.tp_group,
+                                                     name="output_layer", init=init,
+                                                     sequence_parallel=lc.sequence_parallel,
+                                                     dtype=lc.dtype, device=lc.device, skip_weight=self.tied)
+        self._loss = vocab_parallel_cross_entropy
         if compile_layers:
             for layer in self.layers:
                 layer.compile()
+            if group_size(lc.tp_group) == 1:
+                # One rank holds the whole vocabulary: a compiled plain cross entropy fuses the fp32
+                # softmax passes over the [tokens, vocab] logits into a couple of kernels.
+                self._loss = torch.compile(single_rank_cross_entropy)
         # Called with each top-level module just before its forward, outside compiled code: the
         # ZeRO optimizer waits there for the deferred all-gather of that module's weights.
         self.pre_module_hook = None
@@ -82,16 +115,25 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, p, training=True)
         return x
 
-    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
-        """With labels: per-token loss [b, s] (fp32). Without: full logits [b, s, vocab] (gathered over TP)."""
+    def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                hidden: Optional[torch.Tensor] = None):
+        """With labels: per-token loss [b, s] (fp32). Without: full logits [b, s, vocab] (gathered over TP).
+
+        A pipeline stage without `pre_process` takes the previous stage's output `hidden` [s, b, h]
+        instead of tokens; one without `post_process` returns its hidden output [s, b, h].
+        """
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        x = self.embed(tokens, position_ids)
+        x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
         for layer in self.layers:
             self._before(layer)
             x = layer(x, rope, attention_mask)
+        if not self.post_process:
+            return x
+        if self.tied and not self.pre_process:
+            self._before(self.embedding)  # the tied copy the output layer uses
         self._before(self.final_norm)
         x = self.final_norm(x)
         self._before(self.output_layer)
@@ -99,7 +141,7 @@ class GPTModel(nn.Module):
         if labels is None:
             full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)
             return full[..., : self.vocab_size]
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
+        loss = self._loss(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
         return loss.transpose(0, 1)
 
     def num_parameters(self) -> int:
