@@ -65,3 +65,31 @@ def test_dp2_equals_dp1():
 
 def test_tp2_dp2():
     run_distributed(_tp_vs_single, 4, 2, True, {}, 2)
+
+
+def _dropout_streams(rank, world, sp):
+    from parallel_harness import VOCAB
+    m = small_model_config(attention_dropout=0.2, hidden_dropout=0.2)
+    ctx = ParallelContext.build(2, 1, torch.device("cpu"))
+    model, _ = build(m, ctx, sp)
+    model.train()
+    tokens = torch.randint(0, VOCAB, (2, m.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    # Replicated activations got the same hidden-dropout mask on both TP ranks (default stream,
+    # or the model-parallel stream on disjoint sequence shards under SP): the losses agree.
+    other = loss.clone()
+    dist.broadcast(other, src=0, group=ctx.tp_group)
+    assert torch.equal(loss, other)
+    # Dropout changes the result (it is on) ...
+    model.eval()
+    assert not torch.equal(loss, model(tokens[:, :-1], labels=tokens[:, 1:]))
+    # ... and attention heads on different TP ranks draw from different model-parallel streams.
+    state = model.lc.rng.states["model-parallel"].clone()
+    states = [torch.empty_like(state) for _ in range(2)]
+    dist.all_gather(states, state, group=ctx.tp_group)
+    assert not torch.equal(states[0], states[1])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_rng_streams_under_tp(sp):
+    run_distributed(_dropout_streams, 2, sp)
