@@ -103,7 +103,8 @@ def parallel_layout(ctx) -> dict:
 # ------------------------------------------------------------------------------ model/optim
 def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
     """Every parameter from the checkpoint's model weights, resharded to this rank (cast to its dtype)."""
-    names = {p.global_name for p in model.parameters()}
+    # A pipeline stage holds some of the model; ModelChunks knows the names of every stage's.
+    names = getattr(model, "all_parameter_names", None) or {p.global_name for p in model.parameters()}
     extra = sorted(set(reader.names()) - names)
     if extra:
         raise CheckpointError(f"{reader.path} holds tensors this model does not have ({', '.join(extra[:4])}"

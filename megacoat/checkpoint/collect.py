@@ -42,9 +42,12 @@ class HeldRange:
 
 
 def held_ranges(model: torch.nn.Module, optimizer=None) -> List[HeldRange]:
+    """Skips `tied_copy` parameters (the last pipeline stage's copy of the tied word embedding:
+    the first stage holds the same values and writes them)."""
     if optimizer is not None:
-        return [HeldRange(r.param, r.start, r.end, dict(r.tensors)) for r in optimizer.state_ranges()]
-    return [HeldRange(p, 0, p.numel(), {}) for p in model.parameters()]
+        return [HeldRange(r.param, r.start, r.end, dict(r.tensors)) for r in optimizer.state_ranges()
+                if not getattr(r.param, "tied_copy", False)]
+    return [HeldRange(p, 0, p.numel(), {}) for p in model.parameters() if not getattr(p, "tied_copy", False)]
 
 
 def subtract_intervals(start: int, end: int, taken: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:

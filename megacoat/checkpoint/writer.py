@@ -165,14 +165,14 @@ def commit(save_dir: str, iteration: int, mine: RankSave, common: Optional[dict]
                               + "; ".join(failed))
     if mine.rank == 0:
         try:
-            _publish(save_dir, iteration, everyone, common, metadata, extra_files)
+            publish(save_dir, iteration, everyone, common, metadata, extra_files)
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e
     _raise_if_any_failed(error, f"saving checkpoint {final}")
     return final
 
 
-def _publish(save_dir, iteration, everyone, common, metadata, extra_files):
+def publish(save_dir, iteration, everyone, common, metadata, extra_files):
     partial = os.path.join(save_dir, partial_dir_name(iteration))
     final = os.path.join(save_dir, iteration_dir_name(iteration))
     layouts, tensors = merge_index(everyone)

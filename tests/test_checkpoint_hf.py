@@ -1,0 +1,111 @@
+"""Hugging Face conversion both ways (Llama GQA untied, GPT-2), load_model, unsupported features."""
+import json
+import os
+import runpy
+
+import pytest
+import torch
+
+import megacoat
+from megacoat.checkpoint import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 203
+
+
+def convert(*args):
+    """tools/checkpoint/convert.py in this process; returns its exit code."""
+    mod = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint", "convert.py"), run_name="convert")
+    return mod["main"](list(args))
+
+
+def _perturb(model):
+    """Random values everywhere (norm weights and biases too), so every mapping is exercised."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _assert_logits_close(got, want):
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel <= 1e-4, rel.item()
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False)
+    return _perturb(transformers.LlamaForCausalLM(cfg)).eval()
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    return _perturb(transformers.GPT2LMHeadModel(cfg)).eval()
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama_gqa_untied", "gpt2"])
+def test_hf_to_megacoat_and_back(tmp_path, make):
+    hf = make()
+    hf.save_pretrained(tmp_path / "hf")
+    want = _hf_logits(hf, _tokens())
+    for tp in (1, 2):
+        ckpt = str(tmp_path / f"mc_tp{tp}")
+        assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                       "--save-dir", ckpt, "--target-tensor-parallel-size", str(tp)) == 0
+        model = megacoat.load_model(ckpt, dtype=torch.float32)
+        with torch.no_grad():
+            _assert_logits_close(model(_tokens()), want)
+    assert convert("--load-format", "megacoat", "--load-dir", str(tmp_path / "mc_tp2"), "--save-format", "hf",
+                   "--save-dir", str(tmp_path / "hf2")) == 0
+    a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    _assert_logits_close(_hf_logits(back, _tokens()), want)
+
+
+def test_megacoat_trained_checkpoint_to_hf(tmp_path):
+    from test_checkpoint_resume import train
+    save = str(tmp_path / "ckpt")
+    train(["--train-iters", "2", "--save", save, "--group-query-attention", "--num-query-groups", "2",
+           "--untie-embeddings-and-output-weights", "--vocab-size", str(VOCAB)])
+    assert convert("--load-format", "megacoat", "--load-dir", save, "--save-format", "hf",
+                   "--save-dir", str(tmp_path / "hf")) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        _assert_logits_close(_hf_logits(hf, _tokens()), megacoat.load_model(save)(_tokens()))
+
+
+def test_unsupported_features_are_refused(tmp_path, capsys):
+    hf = llama()
+    hf.config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    hf.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                   "--save-dir", str(tmp_path / "out")) == 2
+    assert "not supported" in capsys.readouterr().err
+    from megacoat.checkpoint.hf import family_of_megacoat
+    from megacoat.config import ModelConfig, resolve_model_defaults
+    m = ModelConfig(normalization="LayerNorm")  # SwiGLU + RoPE + LayerNorm: neither Llama nor GPT-2
+    resolve_model_defaults(m)
+    with pytest.raises(CheckpointError, match="no Hugging Face architecture"):
+        family_of_megacoat(m)
+    assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "nope"), "--save-format", "megacoat",
+                   "--save-dir", str(tmp_path / "out")) == 2
