@@ -118,3 +118,20 @@ def _parameter_skeleton(m: ModelConfig, vocab_size: int):
         else:
             out.append((p.global_name, p))
     return out
+
+
+def load_tokenizer(checkpoint_dir: str):
+    """The tokenizer saved with the checkpoint (its copy inside the checkpoint, else the saved flags)."""
+    from ..data.tokenizer import NullTokenizer, build_tokenizer_by_type
+
+    path = resolve_checkpoint_dir(checkpoint_dir)
+    reader = CheckpointReader(path)
+    info = (reader.meta.get("extra") or {}).get("tokenizer", {})
+    if info.get("type") == "NullTokenizer":
+        return NullTokenizer(info["vocab_size"] - 1)
+    if info.get("file"):
+        kind = info["type"]
+        file = os.path.join(path, info["file"])
+        return build_tokenizer_by_type(kind, os.path.dirname(file) if kind == "HuggingFaceTokenizer" else file)
+    from ..data import build_tokenizer
+    return build_tokenizer(config_from_dict({"data": reader.config.get("data", {})}).data)
