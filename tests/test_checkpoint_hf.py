@@ -1,5 +1,4 @@
 """Hugging Face conversion both ways (Llama GQA untied, GPT-2), load_model, unsupported features."""
-import json
 import os
 import runpy
 

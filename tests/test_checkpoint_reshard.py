@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megacoat.checkpoint import Checkpointer, CheckpointReader
-from megacoat.checkpoint.collect import HeldRange
 from megacoat.config import MegacoatConfig
 from megacoat.optim.lr_scheduler import LRScheduler
 from megacoat.optim.optimizer import ParamStateRange

@@ -3,15 +3,13 @@ clear errors for bad checkpoints (missing dir, empty tracker, missing/corrupted 
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from megacoat.checkpoint import CheckpointError
 from megacoat.config import parse_args
 from megacoat.training.trainer import Trainer
-from test_cli import ROOT, TINY, _env, _losses, run_cli
+from test_cli import TINY, _losses, run_cli
 
 COMMON = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0"]  # dropout 0.1 stays on
 

@@ -44,8 +44,20 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.bin"
 
 
+CRC_CHUNK = 16 << 20  # pieces are checksummed in chunks of 16 MiB, in parallel (zlib releases the GIL)
+
+
 def crc32_of(buffer) -> int:
     return zlib.crc32(buffer) & 0xFFFFFFFF
+
+
+def chunk_crc_futures(buffer: memoryview, pool) -> list:
+    """Start CRC32s of the buffer's CRC_CHUNK-sized chunks on a thread pool."""
+    return [pool.submit(crc32_of, buffer[i: i + CRC_CHUNK]) for i in range(0, max(len(buffer), 1), CRC_CHUNK)]
+
+
+def checksum_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 2)))
 
 
 def fsync_dir(path: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 

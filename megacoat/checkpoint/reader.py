@@ -9,12 +9,14 @@ from __future__ import annotations
 import io
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch
 
 from .collect import MODEL_KIND, OPTIM_PREFIX, dtype_from_name
-from .format import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError, crc32_of
+from .format import (COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError, checksum_threads,
+                     chunk_crc_futures, crc32_of)
 from .layout import TensorLayout
 
 
@@ -39,6 +41,7 @@ class CheckpointReader:
         self.layouts = {n: TensorLayout.from_json(d) for n, d in self.meta["layouts"].items()}
         self.tensors: Dict[str, dict] = self.meta["tensors"]
         self._files: Dict[str, io.BufferedReader] = {}
+        self._pool = ThreadPoolExecutor(checksum_threads())
         self._check_files()
 
     # ----------------------------------------------------------------------------- queries
@@ -99,6 +102,7 @@ class CheckpointReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._pool.shutdown()
 
     # ---------------------------------------------------------------------------- helpers
     def _entry(self, kind: str, name: str) -> dict:
@@ -142,7 +146,7 @@ class CheckpointReader:
         view = memoryview(buf.numpy()).cast("B")
         if f.readinto(view) != rec["nbytes"]:
             raise CheckpointError(f"{os.path.join(self.path, rec['file'])} is truncated; the checkpoint is corrupted")
-        if crc32_of(view) != rec["crc32"]:
+        if [c.result() for c in chunk_crc_futures(view, self._pool)] != rec["crc32"]:
             raise CheckpointError(f"{os.path.join(self.path, rec['file'])} is corrupted: CRC32 mismatch in "
                                   f"{rec['kind']}/{rec['name']} [{rec['start']}:{rec['end']}]; load another iteration")
         return buf.view(dtype)

@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .collect import Piece, dtype_name
-from .format import (ALIGN, COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError, crc32_of,
-                     fsync_dir, iteration_dir_name, partial_dir_name, rank_file_name, write_file_atomic,
-                     write_json_atomic, write_tracker)
+from .format import (ALIGN, COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError,
+                     checksum_threads, chunk_crc_futures, crc32_of, fsync_dir, iteration_dir_name, partial_dir_name,
+                     rank_file_name, write_file_atomic, write_json_atomic, write_tracker)
 from .layout import TensorLayout
 
 
@@ -40,22 +41,25 @@ def plan_offsets(pieces: List[Piece]) -> (List[int], int):
     return offsets, pos
 
 
-def piece_records(pieces: List[Piece], offsets: List[int], crcs: List[int], file: str) -> List[dict]:
+def piece_records(pieces: List[Piece], offsets: List[int], crcs: List[List[int]], file: str) -> List[dict]:
     return [{"kind": p.kind, "name": p.name, "tp_rank": p.tp_rank, "start": p.start, "end": p.end,
              "dtype": dtype_name(p.tensor.dtype), "file": file, "offset": o,
              "nbytes": p.tensor.numel() * p.tensor.element_size(), "crc32": c}
             for p, o, c in zip(pieces, offsets, crcs)]
 
 
-def write_pieces(path: str, pieces: List[Piece], offsets: List[int]) -> List[int]:
-    """Stream pieces into `path` (device tensors are copied to the host one piece at a time)."""
+def write_pieces(path: str, pieces: List[Piece], offsets: List[int]) -> List[List[int]]:
+    """Stream pieces into `path` (device tensors are copied to the host one piece at a time).
+
+    Returns each piece's chunk CRC32s, computed on other threads while the piece is written."""
     crcs = []
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, ThreadPoolExecutor(checksum_threads()) as pool:
         for p, off in zip(pieces, offsets):
             f.seek(off)
             data = _as_bytes(p.tensor.detach().cpu())
-            crcs.append(crc32_of(data))
+            pending = chunk_crc_futures(data, pool)
             f.write(data)
+            crcs.append([c.result() for c in pending])
         f.truncate(_aligned(f.tell()))
         f.flush()
         os.fsync(f.fileno())
