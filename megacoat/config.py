@@ -58,6 +58,13 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "Tensor model parallel size (TP).")
     pipeline_model_parallel_size: int = _f(1, "Pipeline model parallel size (PP).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
+        None, "Layers per virtual pipeline stage: each PP rank holds num_layers / (PP x this) model chunks and runs the "
+              "interleaved 1F1B schedule (needs micro-batches per step divisible by PP).")
+    decoder_first_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the first pipeline stage (uneven split; the other stages share the rest evenly).")
+    decoder_last_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the last pipeline stage (uneven split; the other stages share the rest evenly).")
     sequence_parallel: bool = _f(False, "Shard norms, dropout and residuals along the sequence across TP ranks.")
     ranks_per_node: Optional[int] = _f(
         None, "Ranks per node for the two-level data-parallel groups. Default: $LOCAL_WORLD_SIZE (torchrun), else the world size.")
@@ -131,6 +138,9 @@ class LoggingConfig:
     wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project (needs `pip install wandb`).")
     wandb_exp_name: Optional[str] = _f(None, "W&B run name.")
     log_json: Optional[str] = _f(None, "Also append one JSON record per logged iteration to this file (rank printing the log).")
+    log_pipeline_bubble: bool = _f(False, "Time each stage's forward/backward compute (CUDA events) and log, every "
+                                          "--log-interval, the measured pipeline bubble per stage next to the theory "
+                                          "(pp-1)/(vp*m+pp-1).")
 
 
 @dataclass
@@ -289,8 +299,6 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     elif world_size % (tp * pp):
         errors.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                       f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
-    if pp != 1:
-        errors.append("--pipeline-model-parallel-size > 1 is not implemented yet; use 1.")
     dp = max(world_size // max(tp * pp, 1), 1)
     if m.num_attention_heads % tp:
         errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
@@ -314,6 +322,8 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                       f"{t.micro_batch_size} x data-parallel size {dp} (= world {world_size} / (TP {tp} x PP {pp})).")
+    if pp >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        errors += _pipeline_errors(m.num_layers, pp, p, t.global_batch_size // (t.micro_batch_size * dp))
     if t.fp16:
         errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
     if t.bf16 and t.fp32:
@@ -342,6 +352,51 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--ranks-per-node must be >= 1.")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _pipeline_errors(num_layers: int, pp: int, p: ParallelConfig, num_micro: int) -> list:
+    """Layer split over pipeline stages (even, uneven first/last, interleaved virtual stages)."""
+    errors = []
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    vp_layers = p.num_layers_per_virtual_pipeline_stage
+    if pp == 1:
+        if first is not None or last is not None or vp_layers is not None:
+            errors.append("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers / "
+                          "--num-layers-per-virtual-pipeline-stage need --pipeline-model-parallel-size > 1.")
+        return errors
+    if vp_layers is not None:
+        if first is not None or last is not None:
+            errors.append("--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                          "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers.")
+        elif vp_layers < 1 or num_layers % (pp * vp_layers):
+            errors.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                          f"--num-layers-per-virtual-pipeline-stage {vp_layers}: each PP rank must hold a whole "
+                          "number of model chunks.")
+        elif num_layers // (pp * vp_layers) > 1 and num_micro % pp:
+            errors.append(f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage {vp_layers}) needs the "
+                          f"number of micro-batches per step ({num_micro} = --global-batch-size / (--micro-batch-size "
+                          f"x DP)) to be a multiple of --pipeline-model-parallel-size {pp}.")
+        return errors
+    if first is None and last is None:
+        if num_layers % pp:
+            errors.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; use "
+                          "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers for an uneven split.")
+        return errors
+    given = [(f, n) for f, n in (("--decoder-first-pipeline-num-layers", first),
+                                 ("--decoder-last-pipeline-num-layers", last)) if n is not None]
+    bad = [f for f, n in given if n < 1]
+    if bad:
+        errors.append(f"{' and '.join(bad)} must be >= 1.")
+        return errors
+    rest, middle = num_layers - sum(n for _, n in given), pp - len(given)
+    names = " + ".join(f"{f} {n}" for f, n in given)
+    if middle == 0 and rest != 0:
+        errors.append(f"{names} = {num_layers - rest} layers, but --num-layers is {num_layers} "
+                      f"(with --pipeline-model-parallel-size {pp} these stages hold every layer).")
+    elif middle > 0 and (rest < middle or rest % middle):
+        errors.append(f"{names} leave {rest} of --num-layers {num_layers} for the other {middle} pipeline stage(s): "
+                      "that must be a positive multiple of their number.")
+    return errors
 
 
 def num_microbatches(cfg: MegacoatConfig, dp: int) -> int:

@@ -42,7 +42,8 @@ def _free_port():
     (["--global-batch-size", "3"], 1, "--global-batch-size 3 is not divisible by --micro-batch-size 2"),
     (["--bf16", "--fp32"], 1, "--bf16 and --fp32 conflict"),
     (["--fp16"], 1, "--fp16 is not supported"),
-    (["--pipeline-model-parallel-size", "2"], 2, "not implemented"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2,
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2,
      "needed by --sequence-parallel"),
 ])

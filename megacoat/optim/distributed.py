@@ -32,7 +32,7 @@ from ..parallel.context import ParallelContext
 from .adamw import Fp32AdamW
 from .buffers import Bucket, GradAccumulator, ParamGradBuffer, shard_alignment
 from .clip import global_grad_norm
-from .optimizer import CodecScalars, ParamStateRange, StepResult, all_reduce_packed
+from .optimizer import CodecScalars, ParamStateRange, PreSyncParams, StepResult, counted_in_norm, all_reduce_packed
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ZeroOptions:
     grad_dtype: torch.dtype = torch.float32
 
 
-class DistributedOptimizer(CodecScalars):
+class DistributedOptimizer(CodecScalars, PreSyncParams):
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, ctx: ParallelContext, opts: ZeroOptions,
                  comm=None):
         self.cfg, self.ctx, self.opts = cfg, ctx, opts
@@ -72,6 +72,7 @@ class DistributedOptimizer(CodecScalars):
         self._ready: Dict[int, int] = {}
         self._pending_grad: Dict[int, Pending] = {}
         self._pending_param: Dict[int, Pending] = {}
+        self._held_buckets: set = set()  # not launched from the gradient hook (add_pre_sync_params)
         if opts.overlap_param_gather:
             self._install_param_wait(model)
 
@@ -89,7 +90,7 @@ class DistributedOptimizer(CodecScalars):
             view.copy_(buf.param_data[lo:hi])
             self.bucket_master[b.index] = view
             for p, local, (a, z) in buf.owned_segments(b):
-                counted = bool(getattr(p, "tensor_model_parallel", False)) or self.ctx.tp_rank == 0
+                counted = counted_in_norm(p, self.ctx.tp_rank)
                 self.segments.append(Segment(p, local, (a, z), nn.Parameter(view[a - lo: z - lo]), counted))
             offset += b.shard_size
 
@@ -101,8 +102,9 @@ class DistributedOptimizer(CodecScalars):
         """
         buckets_of_module: Dict[int, List[int]] = {}
         for mod in model.modules():
-            # The model itself only for its direct parameters (e.g. learned positions).
-            params = mod.parameters(recurse=mod is not model)
+            # A model (or model chunk: anything with the hook) only for its direct parameters
+            # (e.g. learned positions); other modules for all of theirs.
+            params = mod.parameters(recurse=not hasattr(mod, "pre_module_hook"))
             ids = sorted({self.buffer.bucket_of[id(p)].index for p in params if id(p) in self.buffer.bucket_of})
             buckets_of_module[id(mod)] = ids
 
@@ -130,7 +132,7 @@ class DistributedOptimizer(CodecScalars):
             return
         b = self.buffer.bucket_of[id(p)]
         self._ready[b.index] = self._ready.get(b.index, 0) + 1
-        if self._ready[b.index] == len(b.params):
+        if self._ready[b.index] == len(b.params) and b.index not in self._held_buckets:
             self._launch_grad_sync(b, async_op=True)
 
     def _launch_grad_sync(self, b: Bucket, async_op: bool) -> None:
@@ -138,8 +140,14 @@ class DistributedOptimizer(CodecScalars):
         self._pending_grad[b.index] = self.comm.reduce_grads(self.buffer.bucket_grad(b),
                                                              self.buffer.grad_data[lo:hi], async_op)
 
+    def add_pre_sync_params(self, params, fn) -> None:
+        """See PreSyncParams; the buckets holding `params` wait for `fn` in finish_grad_sync."""
+        super().add_pre_sync_params(params, fn)
+        self._held_buckets |= {self.buffer.bucket_of[id(p)].index for p in params}
+
     def finish_grad_sync(self) -> None:
         self.accumulator.finalize()  # params that got no gradient hold zeros
+        self._run_pre_sync()  # e.g. tied embedding grads summed over first + last pipeline stage
         for b in self.buffer.buckets:
             if b.index not in self._pending_grad:
                 self._launch_grad_sync(b, async_op=True)

@@ -76,7 +76,33 @@ class CodecScalars:
         self.codec.load_scalar_state(d)
 
 
-class MixedPrecisionAdamW(CodecScalars):
+class PreSyncParams:
+    """Parameters whose gradients need their own collective before the data-parallel gradient sync.
+
+    Pipeline parallelism registers the tied word embedding of the first and last stage here:
+    `fn(params)` sums its gradient over those two stages at the start of `step()`. It must not
+    run from a gradient hook (it would wait for the other stage in the middle of the pipeline's
+    point-to-point traffic), so the ZeRO optimizer also keeps the buckets holding these
+    parameters out of the overlapped sync and launches them after `fn`.
+    """
+
+    def add_pre_sync_params(self, params, fn) -> None:
+        self._pre_sync = getattr(self, "_pre_sync", []) + [(list(params), fn)]
+
+    def _run_pre_sync(self) -> None:
+        for params, fn in getattr(self, "_pre_sync", ()):
+            fn(params)
+
+
+def counted_in_norm(p, tp_rank: int) -> bool:
+    """Count each gradient element once in the global norm: TP duplicates on TP rank 0 only, and a
+    tied copy (`tied_copy`, the last pipeline stage's word embedding) not at all."""
+    if getattr(p, "tied_copy", False):
+        return False
+    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
     """AdamW on an fp32 master copy of every parameter, gradients all-reduced over DP.
 
     Model parameters may be bf16 (the compute copy) or fp32 (then the master is the parameter
@@ -92,7 +118,7 @@ class MixedPrecisionAdamW(CodecScalars):
                         for p in self.params]
         self.stats = CommStats()
         self.comm = PlainAllReduce(ctx.dp_group, self.stats)
-        self.counted = [bool(getattr(p, "tensor_model_parallel", False)) or ctx.tp_rank == 0 for p in self.params]
+        self.counted = [counted_in_norm(p, ctx.tp_rank) for p in self.params]
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.fused = self.params[0].is_cuda
         self.codec = Fp32AdamW(self.masters, [p.ndim <= 1 for p in self.params], cfg, self.fused)
@@ -111,6 +137,7 @@ class MixedPrecisionAdamW(CodecScalars):
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         self.grad_buffer.finalize()
+        self._run_pre_sync()
         self._sync_sequence_parallel_grads()
         self.comm.reduce_grads(self.grad_buffer.data)
         grads = [p.main_grad for p in self.params]

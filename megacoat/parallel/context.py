@@ -23,7 +23,7 @@ def rank_grid(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
     if world_size % (tp * pp):
         raise ValueError(f"world size {world_size} not divisible by tp*pp={tp * pp}")
     dp = world_size // (tp * pp)
-    groups: Dict[str, List[List[int]]] = {"tp": [], "dp": [], "pp": [], "mp": [], "tp_dp": []}
+    groups: Dict[str, List[List[int]]] = {"tp": [], "dp": [], "pp": [], "mp": [], "tp_dp": [], "embedding": []}
     for p in range(pp):
         base = p * dp * tp
         for d in range(dp):
@@ -34,6 +34,8 @@ def rank_grid(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
     for d in range(dp):
         for t in range(tp):
             groups["pp"].append([p * dp * tp + d * tp + t for p in range(pp)])
+    if pp > 1:  # first and last stage of each pipeline: they hold the two copies of tied embeddings
+        groups["embedding"] = [[ranks[0], ranks[-1]] for ranks in groups["pp"]]
     for d in range(dp):  # model-parallel group: all TP and PP ranks of one model replica
         groups["mp"].append(sorted(p * dp * tp + d * tp + t for p in range(pp) for t in range(tp)))
     return groups
@@ -84,6 +86,24 @@ class ParallelContext:
     tp_ranks: List[int] = field(default_factory=lambda: [0])
     dp_ranks: List[int] = field(default_factory=lambda: [0])
     pp_ranks: List[int] = field(default_factory=lambda: [0])
+    embedding_group: Optional[object] = None  # first + last pipeline stage (None on other stages and PP=1)
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_next_rank(self) -> int:
+        """Global rank of the next pipeline stage (a ring: the last stage's next is the first)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def pp_prev_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
 
     @property
     def is_last_rank(self) -> bool:
@@ -118,6 +138,10 @@ class ParallelContext:
                     if kind in ("tp", "dp", "pp"):
                         setattr(ctx, f"{kind}_ranks", ranks)
                         setattr(ctx, f"{kind}_rank", ranks.index(rank))
+        for ranks in grid["embedding"]:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                ctx.embedding_group = g
         for dp_ranks in grid["dp"]:
             intra, inter = two_level_dp_groups(dp_ranks, rpn)
             for kind, lists in (("intra", intra), ("inter", inter)):

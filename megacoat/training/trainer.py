@@ -5,6 +5,7 @@ flags and plug in behind `GPTModel` and the optimizer interface (`megacoat.optim
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -19,16 +20,18 @@ from ..checkpoint import Checkpointer, apply_checkpoint_args
 from ..config import MegacoatConfig, num_microbatches, validate_config
 from ..data import build_data_iterators, build_tokenizer, check_vocab_size
 from ..model.flops import flops_per_token
-from ..model.gpt import GPTModel, padded_vocab_size
-from ..model.loss import masked_mean_loss
+from ..model.gpt import padded_vocab_size
+from ..model.stages import build_model_chunks
 from ..model.masks import block_causal_mask
 from ..model.transformer import LayerContext
 from ..optim.lr_scheduler import LRScheduler
 from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, init_distributed
+from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
 from ..precision.recipe import resolve_precision
 from .log import IterationLogger, print_config
+from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
 
 
@@ -97,8 +100,16 @@ class Trainer:
             compile_layers = self.device.type == "cuda"
         lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
                           self.device, cfg.train.seed)
-        self.model = GPTModel(m, lc, self.tokenizer.vocab_size, self.padded_vocab, compile_layers=compile_layers)
+        # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
+        self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
+                                                     self.padded_vocab, compile_layers=compile_layers)
         self.optimizer = build_optimizer(self.model, cfg, self.ctx, self.recipe.grad_dtype)
+        install_embedding_grad_sync(self.chunks, self.optimizer, self.ctx)
+        seq = m.seq_length // (self.ctx.tp_size if cfg.parallel.sequence_parallel else 1)
+        self.schedule = PipelineSchedule.from_context(
+            self.ctx, len(self.chunks), (seq, cfg.train.micro_batch_size, m.hidden_size), self.recipe.params_dtype,
+            timing=cfg.logging.log_pipeline_bubble)
+        self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
         # Measured model-state memory (weights, grads, masters, states) before any activation.
         self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.scheduler = LRScheduler(cfg.optim, cfg.train.train_iters)
@@ -123,16 +134,14 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- steps
     def forward_backward(self, micro_batches) -> torch.Tensor:
-        """Forward and backward over the step's micro-batches; returns this rank's mean loss (device)."""
+        """Forward and backward over the step's micro-batches through the pipeline schedule (PP = 1:
+        forward/backward per micro-batch); returns this rank's mean loss (device; 0 off the last stage)."""
         self.model.train()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, batch in enumerate(micro_batches):
-            self.optimizer.start_micro_batch(is_last=i == len(micro_batches) - 1)
-            b = _to_device(batch, self.device)
-            per_token = self.model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
-            loss = masked_mean_loss(per_token, b["loss_mask"])
-            (loss / self.num_micro).backward()
-            total += loss.detach()
+        total = run_micro_batches(self.schedule, self.chunks, micro_batches, self.num_micro,
+                                  lambda b: _to_device(b, self.device), optimizer=self.optimizer)
+        if self.schedule.timing and self.state.iteration > 0:  # the first step warms up (compilation)
+            st = self.schedule.stats
+            self._bubble = [self._bubble[0] + st.compute_s, self._bubble[1] + st.total_s, self._bubble[2] + 1]
         return total / self.num_micro
 
     def train_step(self, micro_batches) -> StepRecord:
@@ -151,6 +160,35 @@ class Trainer:
         self.logger.record_step(rec, result.comm_bytes)
         return rec
 
+    def _log_bubble(self) -> None:
+        """--log-pipeline-bubble: per stage, the share of the schedule's wall time spent outside
+        forward/backward compute, next to the ideal pipeline's (pp - 1) / (vp m + pp - 1).
+        Collective over the PP group (every rank calls it at the same iterations)."""
+        compute, total, n = self._bubble
+        self._bubble = [0.0, 0.0, 0]
+        mine = torch.tensor([compute / max(n, 1), total / max(n, 1)], dtype=torch.float64, device=self.device)
+        stages = [mine]
+        if self.ctx.pp_size > 1:
+            stages = [torch.zeros_like(mine) for _ in range(self.ctx.pp_size)]
+            dist.all_gather(stages, mine, group=self.ctx.pp_group)
+        if n == 0 or not self.logger.enabled:
+            return
+        compute_ms = [1e3 * float(s[0]) for s in stages]
+        total_ms = [1e3 * float(s[1]) for s in stages]
+        bubble = [1.0 - c / t if t > 0 else 0.0 for c, t in zip(compute_ms, total_ms)]
+        theory = bubble_theory(self.ctx.pp_size, self.num_micro, len(self.chunks))
+        self.logger.info(f" pipeline bubble (iterations up to {self.state.iteration}, {n} timed, {self.num_micro} "
+                         f"micro-batches): schedule ms/iter per stage {[round(t, 1) for t in total_ms]} | compute ms "
+                         f"{[round(c, 1) for c in compute_ms]} | measured bubble "
+                         f"{[round(b, 4) for b in bubble]} | theory (pp-1)/(vp*m+pp-1) {theory:.4f}")
+        if self.logger.json_file:
+            self.logger.json_file.write(json.dumps({
+                "iteration": self.state.iteration, "pipeline_bubble": {
+                    "pp": self.ctx.pp_size, "vp": len(self.chunks), "num_microbatches": self.num_micro,
+                    "timed_iterations": n, "schedule_ms": total_ms, "compute_ms": compute_ms,
+                    "measured": bubble, "theory": theory}}) + "\n")
+            self.logger.json_file.flush()
+
     def _next_micro_batches(self, it):
         return [next(it) for _ in range(self.num_micro)]
 
@@ -159,10 +197,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for _ in range(num_iters):
-            for batch in self._next_micro_batches(it):
-                b = _to_device(batch, self.device)
-                per_token = self.model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
-                total += masked_mean_loss(per_token, b["loss_mask"])
+            run_micro_batches(self.schedule, self.chunks, self._next_micro_batches(it), self.num_micro,
+                              lambda b: _to_device(b, self.device), forward_only=True, total=total)
         total /= num_iters * self.num_micro
         if self.ctx.dp_size > 1:
             dist.all_reduce(total, group=self.ctx.dp_group)
@@ -182,6 +218,9 @@ class Trainer:
         while self.state.iteration < cfg.train.train_iters:
             rec = self.train_step(self._next_micro_batches(iters.train))
             self.logger.maybe_log(self.state, self.flops_per_iter)
+            if self.schedule.timing and (self.state.iteration % cfg.logging.log_interval == 0
+                                         or self.state.iteration == cfg.train.train_iters):
+                self._log_bubble()
             if on_step is not None:
                 on_step(self, rec)
             it = self.state.iteration
