@@ -117,21 +117,23 @@ def _build_pp(m, ctx, sp, pcfg, zero=None, seed=11, lr=1e-2):
     return model, chunks, opt, seq
 
 
-def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micro, check_grads):
+def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micro, check_grads, device_type="cpu"):
     m = small_model_config(**model_kw)
-    ctx = ParallelContext.build(tp, pp, torch.device("cpu"))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(tp, pp, device)
+    to_dev = lambda b: {k: v.to(device) for k, v in b.items()}  # noqa: E731
     pcfg = ParallelConfig(pipeline_model_parallel_size=pp, **pkw)
     zero = ZeroOptions(**zero_kw) if zero_kw is not None else None
     model, chunks, opt, seq = _build_pp(m, ctx, sp, pcfg, zero)
     mbs = 2
     sched = PipelineSchedule.from_context(ctx, len(chunks), (seq, mbs, m.hidden_size), torch.float32)
-    ref_model, ref_opt = build(m, ParallelContext.single(), False)
+    ref_model, ref_opt = build(m, ParallelContext.single(device), False)
     dp = ctx.dp_size
     last = ctx.is_pipeline_last_stage
 
     def fwd_bwd(mine, n_micro):
         opt.zero_grad()
-        return run_micro_batches(sched, chunks, mine, n_micro, lambda b: b, optimizer=opt) / n_micro
+        return run_micro_batches(sched, chunks, mine, n_micro, to_dev, optimizer=opt) / n_micro
 
     micro_counts = n_micro if isinstance(n_micro, (list, tuple)) else [n_micro]
     for step in range(steps):
@@ -148,6 +150,8 @@ def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micr
         else:
             assert loss.item() == 0.0
         vp, r = len(chunks), ctx.pp_rank
+        # every activation sent was freed at once (only the graph stays for the backward)
+        assert sched.stats.freed == n_micro * sum(not sched.is_last_stage(c) for c in range(vp))
         if vp == 1:  # 1F1B: stage r holds at most pp - r micro-batches' activations
             assert sched.stats.max_live == min(pp - r, n_micro), sched.stats.max_live
         else:  # interleaved: the warmup forwards plus one (all of them when m == pp)
@@ -158,7 +162,7 @@ def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micr
             # with the single-process model's, then redo the pass for the real step.
             opt._run_pre_sync()
             opt._sync_sequence_parallel_grads()
-            got, want = full_grads(model, ctx), full_grads(ref_model, ParallelContext.single())
+            got, want = full_grads(model, ctx), full_grads(ref_model, ParallelContext.single(device))
             assert got.keys() <= want.keys()
             for name, g in got.items():
                 w = trim_vocab(name, want[name])
@@ -168,7 +172,7 @@ def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micr
         assert bool(opt.step(1e-2).success) and bool(ref_opt.step(1e-2).success)
     if zero is not None:
         opt.finish_param_sync()
-    got, want = full_weights(model, ctx), full_weights(ref_model, ParallelContext.single())
+    got, want = full_weights(model, ctx), full_weights(ref_model, ParallelContext.single(device))
     for name, w in got.items():
         torch.testing.assert_close(w, want[name], rtol=1e-5, atol=1e-5, msg=lambda s: f"{name}: {s}")
     # Tied embeddings: the first and the last stage hold bit-identical copies.
@@ -183,8 +187,8 @@ def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micr
     model.eval()
     with torch.no_grad():
         total = run_micro_batches(sched, chunks, ev[ctx.dp_rank * n_micro:(ctx.dp_rank + 1) * n_micro], n_micro,
-                                  lambda b: b, forward_only=True) / n_micro
-        ref_total = sum(run_eval(ref_model, b) for b in ev) / (dp * n_micro)
+                                  to_dev, forward_only=True) / n_micro
+        ref_total = sum(run_eval(ref_model, to_dev(b)) for b in ev) / (dp * n_micro)
     if dp > 1:
         dist.all_reduce(total, group=ctx.dp_group)
         total /= dp
@@ -255,3 +259,11 @@ def test_cli_pp2_interleaved_zero_equals_single(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (loss, valid)
     bubble = [r["pipeline_bubble"] for r in runs["pp2"] if "pipeline_bubble" in r]
     assert bubble and bubble[-1]["pp"] == 2 and bubble[-1]["vp"] == 2 and len(bubble[-1]["measured"]) == 2
+
+
+# ------------------------------------------------------------------------------ NCCL (GPU machine)
+@pytest.mark.gpu
+def test_nccl_pp2_1f1b_and_interleaved_equal_single():
+    run_distributed(_pp_vs_single, 2, 1, 2, {}, {}, False, None, 2, 4, True, "cuda", backend="nccl")
+    run_distributed(_pp_vs_single, 2, 1, 2, dict(num_layers_per_virtual_pipeline_stage=1), dict(num_layers=4),
+                    False, None, 2, 2, True, "cuda", backend="nccl")

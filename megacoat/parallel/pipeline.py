@@ -327,6 +327,7 @@ def free_output(t: torch.Tensor) -> None:
 class ScheduleStats:
     """Of the last run on this rank."""
     max_live: int = 0             # most micro-batches' activations held at once (all chunks)
+    freed: int = 0                # sent activations whose values were freed (graph kept for backward)
     compute_s: float = 0.0        # time in forward/backward compute (timing on)
     total_s: float = 0.0          # wall time of the whole schedule (timing on)
 
@@ -398,6 +399,7 @@ class PipelineSchedule:
                 outputs.pop(key)
             else:
                 free_output(outputs[key])
+                self._freed += 1
 
     # -------------------------------------------------------------------------------- run
     def run(self, m: int, forward_step: Callable, before_backward: Optional[Callable] = None,
@@ -407,6 +409,7 @@ class PipelineSchedule:
         out_grads: Dict[Tuple[int, int], torch.Tensor] = {}
         input_grads: Dict[Tuple[int, int], torch.Tensor] = {}
         stats = ScheduleStats()
+        self._freed = 0
         cuda = self.timing and self.device.type == "cuda"
         events = []
         compute = 0.0
@@ -450,6 +453,7 @@ class PipelineSchedule:
             elif self.timing:
                 compute += time.perf_counter() - t0
         assert not outputs and not out_grads and not input_grads, "schedule left tensors behind"
+        stats.freed = self._freed
         if self.timing:
             if cuda:
                 torch.cuda.synchronize(self.device)
