@@ -60,11 +60,13 @@ setup(
         "numpy",
         "sentencepiece",
         "tqdm",
+        "safetensors",
         "triton; platform_system=='Linux'",
     ],
     extras_require={
         "test": ["pytest", "transformers", "safetensors", "tokenizers"],
         "wandb": ["wandb"],
+        "hf": ["transformers", "tokenizers"],
     },
     setup_requires=[],
     ext_modules=_cpp_extensions(),
