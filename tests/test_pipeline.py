@@ -237,25 +237,31 @@ def test_pp2_dp2_zero_overlap_interleaved_equals_single():
 
 # ------------------------------------------------------------------------------ command line
 @pytest.mark.slow
-def test_cli_pp2_interleaved_zero_equals_single(tmp_path):
+def test_cli_pp2_interleaved_zero_equals_single_and_checkpoint_reshards(tmp_path):
+    """torchrun PP=2 (interleaved, ZeRO with overlap) = one process: losses, validation loss; its
+    checkpoint (tied embedding stored once) resumes in one process exactly where the single run is."""
     from test_cli import TINY, run_cli
 
-    common = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "4", "--fp32",
+    common = TINY + ["--num-layers", "4", "--train-iters", "4", "--global-batch-size", "4", "--fp32",
                      "--eval-interval", "3", "--eval-iters", "1"]
+    ckpt = str(tmp_path / "ckpt")
     runs = {}
     for name, nproc, extra in (
             ("single", 1, []),
             ("pp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                        "--log-pipeline-bubble"])):
+                        "--log-pipeline-bubble", "--exit-interval", "3", "--save", ckpt]),
+            ("resumed", 1, ["--load", ckpt])):
         path = tmp_path / f"{name}.jsonl"
         r = run_cli(common + extra + ["--log-json", str(path)], nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = [json.loads(line) for line in open(path)]
     loss = {k: [r["lm_loss"] for r in v if "lm_loss" in r] for k, v in runs.items()}
     valid = {k: [r["valid_loss"] for r in v if "valid_loss" in r] for k, v in runs.items()}
-    assert len(loss["pp2"]) == len(loss["single"]) == 3 and valid["pp2"] and valid["single"]
-    for a, b in zip(loss["single"] + valid["single"], loss["pp2"] + valid["pp2"]):
+    assert len(loss["single"]) == 4 and len(loss["pp2"]) == 3 and len(loss["resumed"]) == 1
+    assert valid["pp2"] and valid["single"]
+    pairs = list(zip(loss["single"], loss["pp2"] + loss["resumed"])) + [(valid["single"][0], valid["pp2"][0])]
+    for a, b in pairs:
         assert abs(a - b) <= 1e-5 * abs(a), (loss, valid)
     bubble = [r["pipeline_bubble"] for r in runs["pp2"] if "pipeline_bubble" in r]
     assert bubble and bubble[-1]["pp"] == 2 and bubble[-1]["vp"] == 2 and len(bubble[-1]["measured"]) == 2
