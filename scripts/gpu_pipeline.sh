@@ -12,12 +12,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; J=$OUT/pipeline_json; mkdir -p "$J"; LOG=$OUT/pipeline_log.txt
 ITERS=${ITERS:-8}          # timed: iterations ITERS/2+1 .. ITERS (the first ones compile)
-BUDGET_S=${BUDGET_S:-330}  # stop starting new runs after this many seconds
+BUDGET_S=${BUDGET_S:-265}  # start no run after this many seconds (a run is capped at 90 s: total < 6 min)
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 { date -u; git rev-parse HEAD 2>/dev/null || cat COMMIT 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nvidia-smi topo -m 2>/dev/null | head -3
-  timeout 150 python3 -m pytest -q -x tests/test_pipeline.py -k nccl 2>&1 | tail -3
+  timeout 100 python3 -m pytest -q -x tests/test_pipeline.py -k nccl 2>&1 | tail -3
   echo "(tests done at $(elapsed) s)"; } 2>&1 | tee "$LOG"
 M=${M:-"--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --mock-data --vocab-size 32000 --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --eval-interval 0 --eval-iters 0 --untie-embeddings-and-output-weights --bf16 --train-iters $ITERS --log-interval 1 --log-pipeline-bubble"}
 PORT=29600
@@ -26,7 +26,7 @@ run() { # name, nproc, flags...
   if [ "$(elapsed)" -gt "$BUDGET_S" ]; then echo "== $name skipped (time budget)" | tee -a "$LOG"; return; fi
   PORT=$((PORT + 1))
   echo "== $name (GPUs: $nproc) $* [t=$(elapsed) s]" | tee -a "$LOG"
-  timeout 100 torchrun --nproc-per-node "$nproc" --master-port $PORT pretrain_gpt.py $M "$@" \
+  timeout 90 torchrun --nproc-per-node "$nproc" --master-port $PORT pretrain_gpt.py $M "$@" \
       --log-json "$J/$name.jsonl" > "$J/$name.out" 2>&1
   grep -E "model parameters|model-state" "$J/$name.out" | tee -a "$LOG"
   grep -E "iteration +[0-9]+/|pipeline bubble|Error|error" "$J/$name.out" | tail -2 | cut -c1-700 | tee -a "$LOG"

@@ -117,7 +117,8 @@ def _build_pp(m, ctx, sp, pcfg, zero=None, seed=11, lr=1e-2):
     return model, chunks, opt, seq
 
 
-def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micro, check_grads, device_type="cpu"):
+def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micro, check_grads, device_type="cpu",
+                  inf_step=None):
     m = small_model_config(**model_kw)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     ctx = ParallelContext.build(tp, pp, device)
@@ -169,6 +170,11 @@ def _pp_vs_single(rank, world, tp, pp, pkw, model_kw, sp, zero_kw, steps, n_micr
                 torch.testing.assert_close(trim_vocab(name, g), w, rtol=1e-4, atol=1e-4 * w.abs().max().item() + 1e-9,
                                            msg=lambda s: f"{name} step {step}: {s}")
             fwd_bwd(mine, n_micro)
+        if step == inf_step:  # a non-finite gradient on the first stage only: every stage skips the step
+            if ctx.pp_rank == 0:
+                next(model.parameters()).main_grad.view(-1)[0] = float("inf")
+            assert not bool(opt.step(1e-2).success)
+            continue
         assert bool(opt.step(1e-2).success) and bool(ref_opt.step(1e-2).success)
     if zero is not None:
         opt.finish_param_sync()
@@ -203,7 +209,8 @@ def run_eval(model, b):
 
 
 def test_pp2_1f1b_equals_single():
-    run_distributed(_pp_vs_single, 2, 1, 2, {}, {}, False, None, 3, 4, True)
+    """... with an Inf injected on the first stage at step 1: both stages skip it (global norm)."""
+    run_distributed(_pp_vs_single, 2, 1, 2, {}, {}, False, None, 3, 4, True, "cpu", 1)
 
 
 def test_pp4_1f1b_equals_single():

@@ -89,7 +89,9 @@ class Trainer:
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16)
-        self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.device)
+        # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
+        # drawn from (seed, parameter name) generators, so they do not depend on it.
+        self.rng = seed_everything(cfg.train.seed + 100 * self.ctx.pp_rank, self.ctx.tp_rank, self.device)
         self.tokenizer = build_tokenizer(cfg.data)
         m = cfg.model
         self.padded_vocab = padded_vocab_size(self.tokenizer.vocab_size, m.make_vocab_size_divisible_by,
