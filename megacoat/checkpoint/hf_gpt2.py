@@ -16,6 +16,25 @@ from .hf_llama import fuse_qkv, split_qkv
 GPT2_SHAPE = dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
                   add_bias_linear=True)
 
+# Per-layer tensors other than the fused QKV: (megacoat name, HF name, stored transposed in HF).
+# One table for both directions, so they cannot drift apart.
+_LAYER_TENSORS = [
+    ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
+    ("attention.proj.weight", "attn.c_proj.weight", True), ("attention.proj.bias", "attn.c_proj.bias", False),
+    ("post_attention_norm.weight", "ln_2.weight", False), ("post_attention_norm.bias", "ln_2.bias", False),
+    ("mlp.fc1.weight", "mlp.c_fc.weight", True), ("mlp.fc1.bias", "mlp.c_fc.bias", False),
+    ("mlp.fc2.weight", "mlp.c_proj.weight", True), ("mlp.fc2.bias", "mlp.c_proj.bias", False),
+]
+
+
+def _map_layer(t: Dict[str, torch.Tensor], src: str, dst: str, to_hf_names: bool) -> Dict[str, torch.Tensor]:
+    out = {}
+    for ours, theirs, transposed in _LAYER_TENSORS:
+        a, b = (ours, theirs) if to_hf_names else (theirs, ours)
+        x = t[f"{src}.{a}"]
+        out[f"{dst}.{b}"] = x.t() if transposed else x
+    return out
+
 
 def check_convertible(m: ModelConfig) -> None:
     bad = [f"--{k.replace('_', '-')} {getattr(m, k)} (GPT-2: {v})" for k, v in GPT2_SHAPE.items() if getattr(m, k) != v]
@@ -38,15 +57,8 @@ def to_hf(m: ModelConfig, vocab_size: int, t: Dict[str, torch.Tensor], dtype: to
         src, dst = f"layers.{i}", f"transformer.h.{i}"
         qkv_w = torch.cat(split_qkv(t[f"{src}.attention.qkv.weight"], m))
         qkv_b = torch.cat(split_qkv(t[f"{src}.attention.qkv.bias"], m))
-        out.update({f"{dst}.ln_1.weight": t[f"{src}.input_norm.weight"], f"{dst}.ln_1.bias": t[f"{src}.input_norm.bias"],
-                    f"{dst}.attn.c_attn.weight": qkv_w.t(), f"{dst}.attn.c_attn.bias": qkv_b,
-                    f"{dst}.attn.c_proj.weight": t[f"{src}.attention.proj.weight"].t(),
-                    f"{dst}.attn.c_proj.bias": t[f"{src}.attention.proj.bias"],
-                    f"{dst}.ln_2.weight": t[f"{src}.post_attention_norm.weight"],
-                    f"{dst}.ln_2.bias": t[f"{src}.post_attention_norm.bias"],
-                    f"{dst}.mlp.c_fc.weight": t[f"{src}.mlp.fc1.weight"].t(), f"{dst}.mlp.c_fc.bias": t[f"{src}.mlp.fc1.bias"],
-                    f"{dst}.mlp.c_proj.weight": t[f"{src}.mlp.fc2.weight"].t(),
-                    f"{dst}.mlp.c_proj.bias": t[f"{src}.mlp.fc2.bias"]})
+        out.update({f"{dst}.attn.c_attn.weight": qkv_w.t(), f"{dst}.attn.c_attn.bias": qkv_b})
+        out.update(_map_layer(t, src, dst, to_hf_names=True))
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
               "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size, "n_layer": m.num_layers,
               "n_head": m.num_attention_heads, "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new",
@@ -81,13 +93,7 @@ def from_hf(c: dict, t: Dict[str, torch.Tensor]) -> Tuple[ModelConfig, int, Dict
         src, dst = f"transformer.h.{i}", f"layers.{i}"
         qkv_w = t[f"{src}.attn.c_attn.weight"].t().chunk(3, dim=0)
         qkv_b = t[f"{src}.attn.c_attn.bias"].chunk(3, dim=0)
-        out.update({f"{dst}.input_norm.weight": t[f"{src}.ln_1.weight"], f"{dst}.input_norm.bias": t[f"{src}.ln_1.bias"],
-                    f"{dst}.attention.qkv.weight": fuse_qkv(*qkv_w, m), f"{dst}.attention.qkv.bias": fuse_qkv(*qkv_b, m),
-                    f"{dst}.attention.proj.weight": t[f"{src}.attn.c_proj.weight"].t(),
-                    f"{dst}.attention.proj.bias": t[f"{src}.attn.c_proj.bias"],
-                    f"{dst}.post_attention_norm.weight": t[f"{src}.ln_2.weight"],
-                    f"{dst}.post_attention_norm.bias": t[f"{src}.ln_2.bias"],
-                    f"{dst}.mlp.fc1.weight": t[f"{src}.mlp.c_fc.weight"].t(), f"{dst}.mlp.fc1.bias": t[f"{src}.mlp.c_fc.bias"],
-                    f"{dst}.mlp.fc2.weight": t[f"{src}.mlp.c_proj.weight"].t(),
-                    f"{dst}.mlp.fc2.bias": t[f"{src}.mlp.c_proj.bias"]})
+        out.update({f"{dst}.attention.qkv.weight": fuse_qkv(*qkv_w, m),
+                    f"{dst}.attention.qkv.bias": fuse_qkv(*qkv_b, m)})
+        out.update(_map_layer(t, src, dst, to_hf_names=False))
     return m, c["vocab_size"], {k: v.contiguous() for k, v in out.items()}
