@@ -62,13 +62,16 @@ def test_hf_to_megacoat_and_back(tmp_path, make):
     hf = make()
     hf.save_pretrained(tmp_path / "hf")
     want = _hf_logits(hf, _tokens())
-    for tp in (1, 2):
-        ckpt = str(tmp_path / f"mc_tp{tp}")
+    for tp, pp in ((1, 1), (2, 1), (2, 2)):
+        ckpt = str(tmp_path / (f"mc_tp{tp}" if pp == 1 else f"mc_tp{tp}_pp{pp}"))
         assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
-                       "--save-dir", ckpt, "--target-tensor-parallel-size", str(tp)) == 0
+                       "--save-dir", ckpt, "--target-tensor-parallel-size", str(tp),
+                       "--target-pipeline-parallel-size", str(pp)) == 0
         model = megacoat.load_model(ckpt, dtype=torch.float32)
         with torch.no_grad():
             _assert_logits_close(model(_tokens()), want)
+    assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                   "--save-dir", str(tmp_path / "bad"), "--target-pipeline-parallel-size", "3") == 2  # 2 layers
     assert convert("--load-format", "megacoat", "--load-dir", str(tmp_path / "mc_tp2"), "--save-format", "hf",
                    "--save-dir", str(tmp_path / "hf2")) == 0
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")

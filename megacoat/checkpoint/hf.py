@@ -77,11 +77,11 @@ def family_of_megacoat(m) -> str:
 
 
 def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None) -> str:
-    _check_pp(pp)
     config, raw = read_hf_dir(hf_dir)
     family = family_of_hf(config)
     tracked = _Tracked(raw)
     m, vocab_size, tensors = FAMILIES[family].from_hf(config, tracked)
+    _check_pp(pp, m.num_layers)
     unused = sorted(k for k in set(raw) - tracked.used if not k.endswith(IGNORED_SUFFIXES))
     if unused:
         raise CheckpointError(f"the Hugging Face weights hold tensors the {family} mapping does not understand "
@@ -133,8 +133,11 @@ def _iteration_dir(checkpoint_dir: str) -> str:
     return resolve_checkpoint_dir(checkpoint_dir)
 
 
-def _check_pp(pp: int) -> None:
-    if pp != 1:
-        raise CheckpointError("--target-pipeline-parallel-size > 1: pipeline parallelism is not implemented yet. "
-                              "megacoat checkpoints are layout-free: a TP-only checkpoint will load at any PP size "
-                              "once it exists")
+def _check_pp(pp: int, num_layers: int) -> None:
+    """Checkpoint pieces are keyed by global parameter names (global layer numbers), so the same
+    files load at every pipeline size: a target PP only has to be a valid split of the layers."""
+    if pp < 1:
+        raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
+    if num_layers % pp:
+        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide the model's {num_layers} layers "
+                              "(uneven splits: load with --decoder-first/last-pipeline-num-layers instead)")

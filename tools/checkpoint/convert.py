@@ -50,8 +50,8 @@ def main(argv=None) -> int:
                 raise CheckpointError("--target-*-parallel-size applies to megacoat output only")
             out = megacoat_to_hf(a.load_dir, a.save_dir, dtype)
         elif a.load_format == "megacoat" and a.save_format == "megacoat":
-            _check_pp(a.target_pipeline_parallel_size)
             m, vocab, tensors, _ = read_model_tensors(a.load_dir)
+            _check_pp(a.target_pipeline_parallel_size, m.num_layers)
             if dtype is not None:
                 tensors = {k: v.to(dtype) for k, v in tensors.items()}
             out = write_model_checkpoint(a.save_dir, m, vocab, tensors, tp=a.target_tensor_parallel_size)
