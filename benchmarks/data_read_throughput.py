@@ -60,8 +60,6 @@ def main():
     p.add_argument("--output", default="benchmarks/results/data_read_throughput.md")
     args = p.parse_args()
 
-    import numpy as np
-
     from megacoat.config import parse_args, validate_config
     from megacoat.data import build_data_iterators, build_tokenizer
 

@@ -151,7 +151,7 @@ class CheckpointConfig:
     no_load_optim: bool = _f(False, "Load model weights only: no optimizer state, no LR scheduler state.")
     no_load_rng: bool = _f(False, "Do not restore the RNG states.")
     finetune: bool = _f(False, "Load model weights only and start at iteration 0 (fresh optimizer, scheduler, data).")
-    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time.")
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time (checked at --log-interval iterations).")
     use_checkpoint_args: bool = _f(False, "Take the model architecture (and tokenizer) flags from the checkpoint in --load.")
     async_save: bool = _f(False, "Write checkpoints in the background (one in flight; training stalls only for the copy to CPU).")
 

@@ -91,3 +91,12 @@ def test_default_main_job_runs(tmp_path):
     losses = _losses(tmp_path / "log.jsonl")
     assert len(losses) == 3 and all(l == l and 0 < l < 20 for l in losses)
     assert "validation loss at iteration 3" in r.stdout
+
+
+def test_exit_duration_saves_and_stops_at_a_log_iteration(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = run_cli(TINY + ["--train-iters", "10", "--log-interval", "2", "--exit-duration-in-mins", "0",
+                        "--save", str(ckpt), "--log-json", str(tmp_path / "log.jsonl")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exiting at iteration 2" in r.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

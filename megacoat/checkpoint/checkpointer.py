@@ -246,7 +246,9 @@ class Checkpointer:
     def after_step(self, trainer) -> bool:
         """Save when due; returns True when --exit-duration-in-mins has run out (after saving)."""
         c, it = self.cfg, trainer.state.iteration
-        time_up = self._time_is_up()
+        # The time check is a collective with a host sync: only at log iterations, where the
+        # logger synchronises anyway, so ordinary steps never wait for the device.
+        time_up = it % max(trainer.cfg.logging.log_interval, 1) == 0 and self._time_is_up()
         exit_interval = trainer.cfg.train.exit_interval
         due = (c.save_interval and it % c.save_interval == 0) or time_up or \
             (exit_interval and it % exit_interval == 0)

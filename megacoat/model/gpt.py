@@ -24,12 +24,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def single_rank_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
-    """Per-token cross entropy (fp32) when no TP split exists; padding columns are excluded."""
-    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), target.flatten(),
-                           reduction="none").view(target.shape)
-
-
 class GPTModel(nn.Module):
     """The whole model, or one pipeline stage (model chunk) of it.
 
@@ -78,14 +72,9 @@ class GPTModel(nn.Module):
                                                      name="output_layer", init=init,
                                                      sequence_parallel=lc.sequence_parallel,
                                                      dtype=lc.dtype, device=lc.device, skip_weight=self.tied)
-        self._loss = vocab_parallel_cross_entropy
         if compile_layers:
             for layer in self.layers:
                 layer.compile()
-            if group_size(lc.tp_group) == 1:
-                # One rank holds the whole vocabulary: a compiled plain cross entropy fuses the fp32
-                # softmax passes over the [tokens, vocab] logits into a couple of kernels.
-                self._loss = torch.compile(single_rank_cross_entropy)
         # Called with each top-level module just before its forward, outside compiled code: the
         # ZeRO optimizer waits there for the deferred all-gather of that module's weights.
         self.pre_module_hook = None
@@ -141,7 +130,7 @@ class GPTModel(nn.Module):
         if labels is None:
             full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)
             return full[..., : self.vocab_size]
-        loss = self._loss(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
         return loss.transpose(0, 1)
 
     def num_parameters(self) -> int:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm.base import CommStats, Pending

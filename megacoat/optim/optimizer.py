@@ -2,16 +2,17 @@
 
 The loop only calls:
     opt.zero_grad()                      before the first micro-batch of a step
+    opt.start_micro_batch(is_last)       before each backward (is_last: gradients become final)
     result = opt.step(lr)                after the last micro-batch's backward:
                                          grad sync -> grad norm -> clip -> AdamW -> param sync
-    opt.memory_report() / state_dict() / load_state_dict()
-so the ZeRO distributed optimizer can replace `MixedPrecisionAdamW` behind the same calls.
+    opt.memory_report()
+and checkpoints use state_ranges() / scalar_state() / load_scalar_state() / after_load(),
+so the ZeRO distributed optimizer replaces `MixedPrecisionAdamW` behind the same calls.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist

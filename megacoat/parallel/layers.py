@@ -12,7 +12,7 @@ Activations are [s, b, h]. Parameters carry attributes read by the optimizer:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F

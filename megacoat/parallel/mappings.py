@@ -79,8 +79,9 @@ def _identity(x, group):
     return x
 
 
-def _region(name: str, forward, backward):
-    """An autograd function applying `forward(x, group)` and, to the gradient, `backward(g, group)`."""
+def _region(name: str, forward, backward, doc: str):
+    """A region function: `forward(x, group)` on the value, `backward(g, group)` on its gradient,
+    the identity (no autograd node) when the group has one rank."""
 
     class Region(torch.autograd.Function):
         @staticmethod
@@ -92,50 +93,33 @@ def _region(name: str, forward, backward):
         def backward(ctx, g):
             return backward(g, ctx.group), None
 
-    Region.__name__ = Region.__qualname__ = name
-    return Region
+    def region(x, group):
+        return x if group_size(group) == 1 else Region.apply(x, group)
+
+    Region.__name__ = Region.__qualname__ = f"_{name}"
+    region.__name__ = region.__qualname__ = name
+    region.__doc__ = doc
+    return region
 
 
-_Copy = _region("_Copy", _identity, _all_reduce)
-_Reduce = _region("_Reduce", _all_reduce, _identity)
-_ScatterLast = _region("_ScatterLast", _split_last, _gather_last)
-_GatherLast = _region("_GatherLast", _gather_last, _split_last)
-_ScatterSeq = _region("_ScatterSeq", _split_first, _gather_first)
-# All-gather along the sequence; backward reduce-scatters (the consumer is TP-split).
-_GatherSeq = _region("_GatherSeq", _gather_first, _reduce_scatter_first)
-_ReduceScatterSeq = _region("_ReduceScatterSeq", _reduce_scatter_first, _gather_first)
-
-
-def copy_to_tp_region(x, group):
-    """Identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
-    return x if group_size(group) == 1 else _Copy.apply(x, group)
-
-
-def reduce_from_tp_region(x, group):
-    """All-reduce forward (output of a row-parallel layer), identity backward."""
-    return x if group_size(group) == 1 else _Reduce.apply(x, group)
-
-
-def scatter_to_tp_region(x, group):
-    """Keep this rank's slice of the last dim; backward gathers."""
-    return x if group_size(group) == 1 else _ScatterLast.apply(x, group)
-
-
-def gather_from_tp_region(x, group):
-    """Gather the last dim from all TP ranks; backward keeps this rank's slice."""
-    return x if group_size(group) == 1 else _GatherLast.apply(x, group)
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    """Keep this rank's sequence shard (dim 0); backward gathers."""
-    return x if group_size(group) == 1 else _ScatterSeq.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    """All-gather sequence shards before a column-parallel layer; backward reduce-scatters."""
-    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    """Reduce-scatter the output of a row-parallel layer into sequence shards; backward gathers."""
-    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+copy_to_tp_region = _region(
+    "copy_to_tp_region", _identity, _all_reduce,
+    "Identity forward, all-reduce of the gradient backward (input of a column-parallel layer).")
+reduce_from_tp_region = _region(
+    "reduce_from_tp_region", _all_reduce, _identity,
+    "All-reduce forward (output of a row-parallel layer), identity backward.")
+scatter_to_tp_region = _region(
+    "scatter_to_tp_region", _split_last, _gather_last,
+    "Keep this rank's slice of the last dim; backward gathers.")
+gather_from_tp_region = _region(
+    "gather_from_tp_region", _gather_last, _split_last,
+    "Gather the last dim from all TP ranks; backward keeps this rank's slice.")
+scatter_to_sequence_parallel_region = _region(
+    "scatter_to_sequence_parallel_region", _split_first, _gather_first,
+    "Keep this rank's sequence shard (dim 0); backward gathers.")
+gather_from_sequence_parallel_region = _region(
+    "gather_from_sequence_parallel_region", _gather_first, _reduce_scatter_first,
+    "All-gather sequence shards before a column-parallel layer; backward reduce-scatters.")
+reduce_scatter_to_sequence_parallel_region = _region(
+    "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_first, _gather_first,
+    "Reduce-scatter the output of a row-parallel layer into sequence shards; backward gathers.")

@@ -42,12 +42,11 @@ def run_micro_batches(schedule, chunks: Sequence, micro_batches: Sequence[dict],
         total.add_(loss.detach())
         return loss / num_micro
 
-    before_backward = None
-    if optimizer is not None:
-        def before_backward(chunk: int, mb: int, is_last: bool) -> None:
-            optimizer.start_micro_batch(is_last=is_last)
+    def before_backward(chunk: int, mb: int, is_last: bool) -> None:
+        optimizer.start_micro_batch(is_last=is_last)
 
-    schedule.run(len(micro_batches), forward_step, before_backward, forward_only=forward_only)
+    schedule.run(len(micro_batches), forward_step, before_backward if optimizer is not None else None,
+                 forward_only=forward_only)
     return total
 
 

@@ -6,10 +6,8 @@ flags and plug in behind `GPTModel` and the optimizer interface (`megacoat.optim
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -151,9 +149,7 @@ class Trainer:
         loss = self.forward_backward(micro_batches)
         lr = self.scheduler.step()
         result = self.optimizer.step(lr)
-        if self.ctx.dp_size > 1:
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss /= self.ctx.dp_size
+        loss = self._dp_mean(loss)
         st = self.state
         st.iteration += 1
         st.consumed_samples += self.cfg.train.global_batch_size
@@ -202,11 +198,15 @@ class Trainer:
             run_micro_batches(self.schedule, self.chunks, self._next_micro_batches(it), self.num_micro,
                               lambda b: _to_device(b, self.device), forward_only=True, total=total)
         total /= num_iters * self.num_micro
-        if self.ctx.dp_size > 1:
-            dist.all_reduce(total, group=self.ctx.dp_group)
-            total /= self.ctx.dp_size
         self.model.train()
-        return total.item()
+        return self._dp_mean(total).item()
+
+    def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean of a device scalar over the data-parallel group (no host sync)."""
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(t, group=self.ctx.dp_group)
+            t /= self.ctx.dp_size
+        return t
 
     def train(self, on_step: Optional[Callable[["Trainer", StepRecord], None]] = None) -> TrainState:
         cfg = self.cfg
