@@ -93,6 +93,49 @@ class OptimizerConfig:
     adam_beta2: float = _f(0.95, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
+    use_precision_aware_optimizer: bool = _f(
+        False, "Store the Adam moments in the dtypes of --exp-avg-dtype / --exp-avg-sq-dtype (fp8: COAT's grouped E4M3 "
+               "with dynamic range expansion).")
+    exp_avg_dtype: str = _f("fp32", "Dtype of Adam's first moment (needs --use-precision-aware-optimizer).",
+                            choices=["fp32", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = _f("fp32", "Dtype of Adam's second moment (needs --use-precision-aware-optimizer).",
+                               choices=["fp32", "bf16", "fp8"])
+    optimizer_state_expansion: bool = _f(
+        True, "COAT's dynamic range expansion of fp8 optimizer states (--no-optimizer-state-expansion: plain per-group "
+              "absmax scaling, the ablation).")
+
+
+@dataclass
+class PrecisionConfig:
+    fp8_format: Optional[str] = _f(
+        None, "FP8 linear layers: hybrid = E4M3 forward, E5M2 gradients; e4m3 = E4M3 everywhere. Default: off.",
+        choices=[None, "hybrid", "e4m3"])
+    fp8_recipe: str = _f("coat", "With --fp8-format: tensorwise = FP8 GEMMs with just-in-time per-tensor scaling and bf16 "
+                                 "saved activations; coat = the same GEMMs plus COAT's FP8 activation storage.",
+                         choices=["tensorwise", "coat"])
+    gradient_accumulation_fusion: bool = _f(
+        True, "The weight-gradient GEMM accumulates straight into the fp32 (or bf16) main gradient buffer "
+              "(where supported: CUDA; elsewhere the gradient is added after the GEMM).")
+
+
+@dataclass
+class CommConfig:
+    quantized_weights: bool = _f(False, "SDP4Bit qWD: all-gather quantized weight differences in the ZeRO optimizer "
+                                        "(needs --use-distributed-optimizer).")
+    weight_quantization_bits: int = _f(4, "Bits of the quantized weight differences.", choices=[4, 8])
+    wq_group_size: int = _f(2048, "Elements per quantization group (one fp32 scale each) of the weight differences.")
+    quantize_weights_directly: bool = _f(False, "Ablation of --quantized-weights: quantize the weights themselves, "
+                                                "not their differences.")
+    quantized_gradients: bool = _f(False, "SDP4Bit TLq: two-level quantized gradient reduce-scatter with all-to-alls "
+                                          "(needs --use-distributed-optimizer).")
+    gradient_quantization_bits_intra: int = _f(8, "Bits of gradients sent within a node.", choices=[4, 8])
+    gq_group_size_intra: int = _f(128, "Elements per quantization group of gradients within a node.")
+    gradient_quantization_bits_inter: int = _f(4, "Bits of gradients sent between nodes.", choices=[4, 8])
+    gq_group_size_inter: int = _f(128, "Elements per quantization group of gradients between nodes.")
+    hadamard_transform: bool = _f(False, "Smooth gradients with a 32-point Hadamard transform before quantizing "
+                                         "(SDP4Bit's TLq-HS).")
+    gradient_alltoall_pipeline: int = _f(1, "Split each gradient bucket into this many slices so that one slice's "
+                                            "inter-node hop overlaps the next one's intra-node hop.")
 
 
 @dataclass
@@ -161,6 +204,8 @@ class MegacoatConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -350,8 +395,35 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--ddp-bucket-size must be >= 1.")
     if p.ranks_per_node is not None and p.ranks_per_node < 1:
         errors.append("--ranks-per-node must be >= 1.")
+    errors += _method_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _method_errors(cfg: MegacoatConfig) -> list:
+    """COAT (FP8 compute, FP8 optimizer states) and SDP4Bit (quantized communication) flags."""
+    errors = []
+    o, pr, c, p = cfg.optim, cfg.precision, cfg.comm, cfg.parallel
+    if pr.fp8_format is not None and cfg.train.fp32:
+        errors.append("--fp8-format needs bf16 parameters: drop --fp32 (or use --bf16).")
+    if not o.use_precision_aware_optimizer and (o.exp_avg_dtype != "fp32" or o.exp_avg_sq_dtype != "fp32"):
+        errors.append("--exp-avg-dtype / --exp-avg-sq-dtype need --use-precision-aware-optimizer.")
+    zero_flags = [f for f, on in (("--quantized-weights", c.quantized_weights),
+                                  ("--quantized-gradients", c.quantized_gradients)) if on]
+    if zero_flags and not p.use_distributed_optimizer:
+        errors.append(f"{' and '.join(zero_flags)} need --use-distributed-optimizer (SDP4Bit compresses the ZeRO "
+                      "optimizer's collectives).")
+    if c.quantize_weights_directly and not c.quantized_weights:
+        errors.append("--quantize-weights-directly is an ablation of --quantized-weights: add that flag.")
+    if c.hadamard_transform and not c.quantized_gradients:
+        errors.append("--hadamard-transform needs --quantized-gradients.")
+    for name in ("wq_group_size", "gq_group_size_intra", "gq_group_size_inter"):
+        g = getattr(c, name)
+        if g < 32 or g & (g - 1) or g > 2048:
+            errors.append(f"{_flag(name)} {g} must be a power of two in [32, 2048].")
+    if c.gradient_alltoall_pipeline < 1:
+        errors.append("--gradient-alltoall-pipeline must be >= 1.")
+    return errors
 
 
 def _pipeline_errors(num_layers: int, pp: int, p: ParallelConfig, num_micro: int) -> list:
