@@ -71,7 +71,8 @@ class GPTModel(nn.Module):
             self.output_layer = ColumnParallelLinear(m.hidden_size, padded_vocab, tp_group=lc.tp_group,
                                                      name="output_layer", init=init,
                                                      sequence_parallel=lc.sequence_parallel,
-                                                     dtype=lc.dtype, device=lc.device, skip_weight=self.tied)
+                                                     dtype=lc.dtype, device=lc.device, skip_weight=self.tied,
+                                                     gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
         if compile_layers:
             for layer in self.layers:
                 layer.compile()

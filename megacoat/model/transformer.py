@@ -31,6 +31,8 @@ class LayerContext:
     dtype: torch.dtype
     device: torch.device
     seed: int
+    # Weight-gradient GEMMs accumulate straight into the optimizer's main_grad (--no-gradient-accumulation-fusion).
+    gradient_accumulation_fusion: bool = True
 
 
 class Norm(nn.Module):
@@ -77,11 +79,13 @@ class SelfAttention(nn.Module):
         # so a contiguous TP split hands each rank whole groups.
         self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, tp_group=lc.tp_group, name=f"{name}.qkv",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear,
-                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device)
+                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
+                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
         self.proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, tp_group=lc.tp_group,
                                       name=f"{name}.proj", init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                       bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
-                                      dtype=lc.dtype, device=lc.device)
+                                      dtype=lc.dtype, device=lc.device,
+                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
 
     def forward(self, x, rope, attention_mask):
         s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
@@ -116,11 +120,13 @@ class MLP(nn.Module):
         blocks = [ffn, ffn] if self.swiglu else [ffn]  # [gate; up] each split over TP
         self.fc1 = ColumnParallelLinear(m.hidden_size, sum(blocks), tp_group=lc.tp_group, name=f"{name}.fc1",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear, partition_sizes=blocks,
-                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device)
+                                        sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
+                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
         self.fc2 = RowParallelLinear(ffn, m.hidden_size, tp_group=lc.tp_group, name=f"{name}.fc2",
                                      init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                      bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
-                                     dtype=lc.dtype, device=lc.device)
+                                     dtype=lc.dtype, device=lc.device,
+                                     gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
 
     def forward(self, x):
         h = self.fc1(x)

@@ -28,10 +28,22 @@ class GradAccumulator:
         self.params = params
         self.on_ready = on_ready
         self._fresh = {id(p) for p in params}
+        # Weights of layers with gradient-accumulation fusion: their weight-gradient GEMM adds into
+        # main_grad itself (their `.grad` is a placeholder), so their main_grad is zeroed per step.
+        self.fused = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]
+        self._fused_ids = {id(p) for p in self.fused}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        self._zero_fused()
+
+    def _zero_fused(self) -> None:
+        grads = [p.main_grad for p in self.fused]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def _accumulate(self, p: torch.Tensor) -> None:
-        if id(p) in self._fresh:
+        if id(p) in self._fused_ids:
+            self._fresh.discard(id(p))
+        elif id(p) in self._fresh:
             p.main_grad.copy_(p.grad)
             self._fresh.discard(id(p))
         else:
@@ -41,8 +53,10 @@ class GradAccumulator:
             self.on_ready(p)
 
     def zero(self) -> None:
-        """Start a new step: the next gradient of every parameter overwrites its main_grad."""
+        """Start a new step: the next gradient of every parameter overwrites its main_grad (fused
+        weights: their main_grad is zeroed, the GEMMs add into it)."""
         self._fresh = {id(p) for p in self.params}
+        self._zero_fused()
 
     def finalize(self) -> List[nn.Parameter]:
         """After the last backward: zero the main_grad of parameters that got no gradient; return them."""

@@ -18,7 +18,8 @@ def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group, e
     """
     mine = [g for g, c in zip(grads, counted) if c]
     if mine:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in mine])
+        # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
+        norms = torch._foreach_norm(mine, 2, dtype=torch.float32)
         sq = torch.stack(norms).pow(2).sum()
     else:
         device = grads[0].device if grads else torch.device("cpu")

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.wgrad import wgrad_accumulate_
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region)
@@ -61,6 +62,43 @@ class InitSpec:
             param.copy_(shard_of_full(full, dim, partition_sizes, tp_rank, tp_size))
 
 
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient is added straight into `main_grad` (Megatron's
+    gradient-accumulation fusion): no bf16 weight-gradient tensor, no separate accumulation pass.
+
+    Autograd still needs a gradient for the weight so that the optimizer's post-accumulate hook runs
+    (it launches overlapped bucket syncs): an uninitialised placeholder is returned, and the hook
+    ignores it because the layer marked the weight with `grad_added_to_main_grad`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad):
+        ctx.save_for_backward(x, weight)
+        # Not a saved tensor: other micro-batches' backwards legitimately add into it meanwhile
+        # (pipelining, accumulation), which autograd's version check would reject.
+        ctx.main_grad = main_grad
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        wgrad_accumulate_(ctx.main_grad, grad_output, x)
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_input, torch.empty_like(weight), grad_bias, None
+
+
+def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                  fuse: bool) -> torch.Tensor:
+    """F.linear, with the weight gradient accumulated into `weight.main_grad` when `fuse` and the
+    optimizer gave the weight a main gradient (training); plain F.linear otherwise (inference)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if fuse and main_grad is not None and weight.requires_grad and torch.is_grad_enabled():
+        return _LinearWithGradAccumulation.apply(x, weight, bias, main_grad)
+    return F.linear(x, weight, bias)
+
+
 def _make_param(shape, dtype, device, name, tensor_parallel: bool, shard_info=None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     p.tensor_model_parallel = tensor_parallel
@@ -80,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group, name: str, init: InitSpec,
                  bias: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
                  partition_sizes: Optional[Sequence[int]] = None, dtype=torch.float32, device=None,
-                 skip_weight: bool = False):
+                 skip_weight: bool = False, gradient_accumulation_fusion: bool = False):
         super().__init__()
         self.tp_group = tp_group
         tp, rank = group_size(tp_group), group_rank(tp_group)
@@ -98,6 +136,11 @@ class ColumnParallelLinear(nn.Module):
                                       (0, self.partition_sizes))
             init.materialize(self.weight, f"{name}.weight", (out_features, in_features), 0, self.partition_sizes,
                              rank, tp)
+        # A weight supplied at forward time (the tied embedding) also gets a plain gradient from its
+        # other use: only a weight this layer owns may take the fused path.
+        self.fuse_wgrad = gradient_accumulation_fusion and self.weight is not None
+        if self.fuse_wgrad:
+            self.weight.grad_added_to_main_grad = True
         if bias:
             self.bias = _make_param((self.out_local,), dtype, device, f"{name}.bias", True, (0, self.partition_sizes))
             self.bias.data.zero_()
@@ -110,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = F.linear(x, w, self.bias)
+        y = linear_with_grad_accumulation(x, w, self.bias, self.fuse_wgrad and weight is None)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y
@@ -121,7 +164,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp_group, name: str, init: InitSpec,
                  bias: bool = False, input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, gradient_accumulation_fusion: bool = False):
         super().__init__()
         self.tp_group = tp_group
         tp, rank = group_size(tp_group), group_rank(tp_group)
@@ -132,6 +175,9 @@ class RowParallelLinear(nn.Module):
         self.weight = _make_param((out_features, in_features // tp), dtype, device, f"{name}.weight", True,
                                   (1, [in_features]))
         init.materialize(self.weight, f"{name}.weight", (out_features, in_features), 1, [in_features], rank, tp)
+        self.fuse_wgrad = gradient_accumulation_fusion
+        if self.fuse_wgrad:
+            self.weight.grad_added_to_main_grad = True
         if bias:
             self.bias = _make_param((out_features,), dtype, device, f"{name}.bias", False)
             self.bias.sequence_parallel = sequence_parallel
@@ -142,7 +188,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

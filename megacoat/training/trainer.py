@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,11 @@ from ..model.masks import block_causal_mask
 from ..model.transformer import LayerContext
 from ..optim.lr_scheduler import LRScheduler
 from ..optim.factory import build_optimizer
-from ..parallel.context import ParallelContext, init_distributed
+from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
 from ..precision.recipe import resolve_precision
-from .log import IterationLogger, print_config
+from .log import IterationLogger, print_config, skip_flags
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
 
@@ -59,11 +60,56 @@ class StepRecord:
 
 @dataclass
 class TrainState:
+    """Where training stands. Holds no per-step records: a run of any length keeps O(1) state."""
+
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iters: int = 0
     nan_iters: int = 0
-    history: List[StepRecord] = field(default_factory=list)
+    # [skipped, nan] of the steps not yet counted above, on the device: counting them on the host
+    # would wait for the GPU every step. resolve_counters() folds them in (checkpoints call it).
+    _unresolved: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def count_step(self, rec: "StepRecord") -> None:
+        flags = skip_flags(rec.success_t, rec.grad_norm_t)
+        self._unresolved = flags if self._unresolved is None else self._unresolved + flags
+
+    def resolve_counters(self) -> None:
+        """Add the device-side counts to skipped_iters / nan_iters (one host sync)."""
+        if self._unresolved is None:
+            return
+        skipped, nan = (int(v) for v in self._unresolved.tolist())
+        self.skipped_iters += skipped
+        self.nan_iters += nan
+        self._unresolved = None
+
+
+_IMPORT_TIME = time.time()
+
+
+def process_start_time() -> float:
+    """When this process started (time.time() units), so that --exit-duration-in-mins counts the
+    start-up work (imports, model build, data preparation, checkpoint load) as Megatron does.
+    Linux: from /proc; elsewhere, or if /proc looks wrong: when this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        start = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORT_TIME
+    # btime has 1 s resolution; anything else (e.g. a container's time namespace) falls back.
+    return start if _IMPORT_TIME - 86400 < start <= _IMPORT_TIME + 1 else _IMPORT_TIME
+
+
+def consumed_valid_samples(cfg: MegacoatConfig, iteration: int) -> int:
+    """Validation samples read by the evaluations of iterations 1..`iteration` (Megatron's rule):
+    a resumed run continues the validation stream where an uninterrupted run would be."""
+    t = cfg.train
+    if not t.eval_interval:
+        return 0
+    return iteration // t.eval_interval * t.eval_iters * t.global_batch_size
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -77,6 +123,7 @@ class Trainer:
     """Builds everything from a config and runs training. Tests use its pieces directly."""
 
     def __init__(self, cfg: MegacoatConfig, *, log_stream=None):
+        apply_launcher_environment()  # `srun python pretrain_gpt.py`: torchrun's variables from SLURM's
         world = int(os.environ.get("WORLD_SIZE", 1))
         apply_checkpoint_args(cfg)  # --use-checkpoint-args: architecture flags from the checkpoint in --load
         validate_config(cfg, world)  # before any allocation
@@ -99,7 +146,8 @@ class Trainer:
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
         lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
-                          self.device, cfg.train.seed)
+                          self.device, cfg.train.seed,
+                          gradient_accumulation_fusion=cfg.precision.gradient_accumulation_fusion)
         # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
         self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
                                                      self.padded_vocab, compile_layers=compile_layers)
@@ -122,14 +170,16 @@ class Trainer:
                                       stream=log_stream or sys.stdout)
         self._iters = None
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
-        self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info)
+        self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
         self.checkpointer.load(self)
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
         if self._iters is None:
             self._iters = build_data_iterators(self.cfg, self.tokenizer, self.ctx.dp_rank, self.ctx.dp_size,
-                                               consumed_samples=self.state.consumed_samples)
+                                               consumed_samples=self.state.consumed_samples,
+                                               consumed_valid_samples=consumed_valid_samples(
+                                                   self.cfg, self.state.iteration))
         return self._iters
 
     # ---------------------------------------------------------------------------------- steps
@@ -154,7 +204,7 @@ class Trainer:
         st.iteration += 1
         st.consumed_samples += self.cfg.train.global_batch_size
         rec = StepRecord(st.iteration, lr, loss, result.grad_norm, result.success)
-        st.history.append(rec)
+        st.count_step(rec)
         self.logger.record_step(rec, result.comm_bytes)
         return rec
 
@@ -216,7 +266,7 @@ class Trainer:
         print_config(cfg, self.ctx, self.recipe.name, self.device, self.model, self.padded_vocab,
                      self.tokenizer.vocab_size, memory, self.logger)
         iters = self.data_iterators()
-        self.logger.start()
+        self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))
         while self.state.iteration < cfg.train.train_iters:
             rec = self.train_step(self._next_micro_batches(iters.train))
             self.logger.maybe_log(self.state, self.flops_per_iter)
@@ -241,15 +291,40 @@ class Trainer:
         self.logger.finish()
         return self.state
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group. After a failure this rank may be the only one that stopped while
+        the others wait in a collective it will never join: a barrier would then hang until the
+        timeout, so the group is aborted instead (the others fail on the broken connection, or are
+        stopped by the launcher once this process exits with an error)."""
+        if not dist.is_initialized():
+            return
+        if failed:
+            abort_process_group()
+            return
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def abort_process_group() -> None:
+    """Tear down the default group without waiting for any other rank."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6: aborts NCCL communicators
+    try:
+        if abort is not None:
+            abort()
+        else:
             dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - we are already failing: the original error is what matters
+        pass
 
 
 def pretrain(cfg: MegacoatConfig, **kwargs) -> TrainState:
     trainer = Trainer(cfg)
     try:
-        return trainer.train(**kwargs)
-    finally:
-        trainer.close()
+        state = trainer.train(**kwargs)
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
+    return state
