@@ -61,10 +61,13 @@ setup(
         "sentencepiece",
         "tqdm",
         "safetensors",
-        "triton; platform_system=='Linux'",
+        # No triton here: torch's CUDA wheels bring it where the Triton kernels can run, and a CPU
+        # install must not pay ~1 GB for it (the kernels fall back to their torch references).
     ],
     extras_require={
-        "test": ["pytest", "transformers", "safetensors", "tokenizers"],
+        # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1, so they need triton.
+        "test": ["pytest", "transformers", "safetensors", "tokenizers", "triton; platform_system=='Linux'"],
+        "triton": ["triton; platform_system=='Linux'"],
         "wandb": ["wandb"],
         "hf": ["transformers", "tokenizers"],
     },

@@ -375,6 +375,9 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--bf16 and --fp32 conflict: pick one.")
     if t.train_iters < 1:
         errors.append("--train-iters must be >= 1.")
+    if cfg.logging.log_interval < 1:
+        errors.append(f"--log-interval {cfg.logging.log_interval} must be >= 1 (iterations per log line; the last "
+                      f"iteration is always logged, so --log-interval {t.train_iters} logs only at the end).")
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     if o.min_lr > o.lr:

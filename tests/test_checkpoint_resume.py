@@ -17,8 +17,9 @@ COMMON = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0"]  # 
 def train(args, log_stream=None):
     """Train in this process (world 1); returns the losses of the steps it ran."""
     trainer = Trainer(parse_args(COMMON + args), log_stream=log_stream or open(os.devnull, "w"))
-    state = trainer.train()
-    return [r.loss for r in state.history], trainer
+    losses = []
+    trainer.train(on_step=lambda t, rec: losses.append(rec.loss))
+    return losses, trainer
 
 
 def test_exact_resume_single_process(tmp_path):

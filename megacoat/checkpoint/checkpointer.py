@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..config import ConfigError, MegacoatConfig
 from .collect import MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
-from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, resolve_checkpoint_dir)
+from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, copy_file_durably, fsync_dir,
+                     resolve_checkpoint_dir)
 from .layout import layout_of_parameter
 from .reader import CheckpointReader
 from .writer import (BackgroundWrite, HostSnapshot, RankSave, commit, piece_records, plan_offsets,
@@ -31,6 +32,9 @@ from .writer import (BackgroundWrite, HostSnapshot, RankSave, commit, piece_reco
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                       "kv_channels", "normalization", "position_embedding_type", "activation", "add_bias_linear",
                       "untie_embeddings_and_output_weights")
+# Flags that change what the weights compute without changing their shapes (loading with other
+# values would silently train a different function); rotary_base only matters with RoPE.
+FUNCTION_FLAGS = ("norm_epsilon", "rotary_base")
 
 
 def _flag(name: str) -> str:
@@ -75,8 +79,11 @@ def apply_checkpoint_args(cfg: MegacoatConfig, log: Callable[[str], None] = _pri
 
 def check_architecture(saved: dict, model_cfg, path: str) -> None:
     saved_model = saved.get("model", {})
+    names = ARCHITECTURE_FLAGS + FUNCTION_FLAGS
+    if model_cfg.position_embedding_type != "rope":
+        names = tuple(k for k in names if k != "rotary_base")
     diffs = [f"{_flag(k)}: checkpoint {saved_model[k]}, this run {getattr(model_cfg, k)}"
-             for k in ARCHITECTURE_FLAGS if k in saved_model and saved_model[k] != getattr(model_cfg, k)]
+             for k in names if k in saved_model and saved_model[k] != getattr(model_cfg, k)]
     if diffs:
         raise CheckpointError(f"the checkpoint {path} was saved with other model flags:\n  " + "\n  ".join(diffs) +
                               "\npass the checkpoint's flags, or --use-checkpoint-args to take them from it")
@@ -155,7 +162,8 @@ def _copy_tokenizer(tokenizer, partial: str) -> dict:
         siblings = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
         for path in [src] + [os.path.join(os.path.dirname(src), s) for s in siblings]:
             if os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(dst_dir, os.path.basename(path)))
+                copy_file_durably(path, os.path.join(dst_dir, os.path.basename(path)))
+        fsync_dir(dst_dir)  # the directory entries too: the checkpoint is published right after
         info["file"] = os.path.join(TOKENIZER_DIR, os.path.basename(src))
     return {"tokenizer": info}
 
@@ -175,14 +183,17 @@ class _PendingSave:
 
 
 class Checkpointer:
-    def __init__(self, cfg: MegacoatConfig, ctx, log: Callable[[str], None] = print):
+    def __init__(self, cfg: MegacoatConfig, ctx, log: Callable[[str], None] = print,
+                 start_time: Optional[float] = None):
+        """`start_time` (time.time() units): when the job started, for --exit-duration-in-mins, which
+        counts start-up work (imports, model build, data, loading) too. Default: now."""
         c = cfg.checkpoint
         if c.save_interval is not None and c.save_interval < 1:
             raise ConfigError("--save-interval must be >= 1.")
         if (c.save_interval or c.async_save) and not c.save:
             raise ConfigError("--save-interval/--async-save need --save DIR.")
         self.cfg, self.full_cfg, self.ctx, self.log = c, cfg, ctx, log
-        self.start_time = time.time()
+        self.start_time = time.time() if start_time is None else start_time
         self.snapshot = HostSnapshot()
         self.pending: Optional[_PendingSave] = None
         self.last_saved: Optional[int] = None
@@ -277,8 +288,9 @@ class Checkpointer:
         path, file_name = rank_file_path(partial, ctx.rank)
         mine = RankSave(ctx.rank, {n: l.to_json() for n, l in layouts.items()}, dtypes, rng=capture_rng(trainer))
         common = metadata = None
+        st = trainer.state
+        st.resolve_counters()  # the skipped/NaN steps since the last log line count too
         if ctx.rank == 0:
-            st = trainer.state
             common = {"train_state": {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
                                       "skipped_iters": st.skipped_iters, "nan_iters": st.nan_iters},
                       "scheduler": trainer.scheduler.state_dict(), "optimizer": trainer.optimizer.scalar_state()}

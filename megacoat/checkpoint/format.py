@@ -7,13 +7,18 @@
     <save>/iter_0000100/tokenizer/              a copy of the tokenizer model (when it is a file)
 
 A checkpoint is written under `.iter_0000100.partial/`, every file fsynced, then renamed to
-`iter_0000100/`; the tracker is replaced (write, fsync, rename) last. `metadata.json` is the last
+`iter_0000100/` (re-saving an existing iteration exchanges the two directories atomically, see
+`replace_directory`); the tracker is replaced (write, fsync, rename) last. `metadata.json` is the last
 file written inside the directory, so a directory without it is never a checkpoint.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
 import zlib
 from typing import Optional
 
@@ -38,6 +43,12 @@ def iteration_dir_name(iteration: int) -> str:
 
 def partial_dir_name(iteration: int) -> str:
     return f".{iteration_dir_name(iteration)}.partial"
+
+
+def replaced_dir_name(iteration: int) -> str:
+    """Where a re-saved iteration's old directory waits while the new one moves in (only where
+    directories cannot be exchanged atomically); the reader falls back to it."""
+    return f".{iteration_dir_name(iteration)}.replaced"
 
 
 def rank_file_name(rank: int) -> str:
@@ -74,6 +85,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def copy_file_durably(src: str, dst: str) -> None:
+    """Copy and fsync: the copy is on disk before anything that refers to it is published."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
 def write_file_atomic(path: str, data: bytes) -> None:
     """Write, flush, fsync, rename: readers see the old file or the whole new one, never a part."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -83,6 +102,46 @@ def write_file_atomic(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths atomically (Linux renameat2 RENAME_EXCHANGE). False where the OS or
+    the filesystem cannot do it; other failures raise OSError."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def replace_directory(new: str, final: str, replaced: str) -> None:
+    """Put directory `new` at the existing directory `final`, so that a crash at any moment leaves a
+    complete directory at `final`, or (without an atomic exchange) at `replaced`, which
+    resolve_checkpoint_dir falls back to. `new` is consumed; the old contents are deleted."""
+    parent = os.path.dirname(os.path.abspath(final))
+    if exchange_paths(new, final):  # `final` is the old or the new directory at every instant
+        fsync_dir(parent)
+        shutil.rmtree(new)  # now the old contents
+        return
+    shutil.rmtree(replaced, ignore_errors=True)  # stale: `final` exists, so nothing refers to it
+    os.rename(final, replaced)
+    fsync_dir(parent)
+    os.rename(new, final)
+    fsync_dir(parent)
+    shutil.rmtree(replaced)
 
 
 def write_tracker(save_dir: str, iteration: int) -> None:
@@ -122,6 +181,9 @@ def resolve_checkpoint_dir(load_dir: str) -> str:
         raise CheckpointError(f"{load_dir} holds no checkpoint: neither {TRACKER_FILE} nor {METADATA_FILE} "
                               "is there; point --load at a directory megacoat saved to")
     path = os.path.join(load_dir, iteration_dir_name(iteration))
+    replaced = os.path.join(load_dir, replaced_dir_name(iteration))
+    if not os.path.isdir(path) and os.path.exists(os.path.join(replaced, METADATA_FILE)):
+        return replaced  # a re-save of this iteration stopped half-way: its previous version is complete
     if not os.path.isdir(path):
         raise CheckpointError(f"the tracker in {load_dir} names iteration {iteration} but {path} does not exist; "
                               f"edit {TRACKER_FILE} to name an existing iter_* directory")

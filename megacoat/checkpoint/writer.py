@@ -21,7 +21,8 @@ import torch.distributed as dist
 from .collect import Piece, dtype_name
 from .format import (ALIGN, COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError,
                      checksum_threads, chunk_crc_futures, crc32_of, fsync_dir, iteration_dir_name, partial_dir_name,
-                     rank_file_name, write_file_atomic, write_json_atomic, write_tracker)
+                     rank_file_name, replace_directory, replaced_dir_name, write_file_atomic, write_json_atomic,
+                     write_tracker)
 from .layout import TensorLayout
 
 
@@ -191,16 +192,15 @@ def publish(save_dir, iteration, everyone, common, metadata, extra_files):
                 common_crc32=crc32_of(common_bytes), extra=extra_files(partial))
     write_json_atomic(os.path.join(partial, METADATA_FILE), meta)  # last file: marks the directory complete
     fsync_dir(partial)
-    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
-        trash = final + ".old"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-        os.rename(partial, final)
-        shutil.rmtree(trash, ignore_errors=True)
+    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): never a moment without it
+        replace_directory(partial, final, os.path.join(save_dir, replaced_dir_name(iteration)))
     else:
         os.rename(partial, final)
     fsync_dir(save_dir)
     write_tracker(save_dir, iteration)
+    for name in os.listdir(save_dir):  # a re-save that stopped half-way left one; the tracker has moved on
+        if name.startswith(".iter_") and name.endswith(".replaced"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 def _raise_if_any_failed(error: Optional[BaseException], what: str) -> None:

@@ -117,10 +117,13 @@ def _micro_batches(loader, batch_builder) -> Iterator:
         yield batch_builder(stacked)
 
 
-def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0) -> DataIterators:
+def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0,
+                         consumed_valid_samples: int = 0) -> DataIterators:
     """Micro-batch iterators for this data-parallel rank (see sampler.py for the order).
 
-    train stops after its samples; valid and test cycle forever (None when the split is empty).
+    train starts at `consumed_samples` and stops after its samples; valid starts at
+    `consumed_valid_samples` (a resumed run continues its validation stream); valid and test
+    cycle forever (None when the split is empty).
     """
     from megacoat.data.batch import BatchBuilder  # torch is imported here, not by the preprocessing tools
 
@@ -135,7 +138,7 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
             iters.append(None)
             continue
         _check_token_ids(ds, tokenizer.vocab_size, name)
-        sampler = GlobalOrderBatchSampler(len(ds), consumed_samples if name == "train" else 0, mbs, gbs,
-                                          dp_rank, dp_size, cyclic=name != "train")
+        start = {"train": consumed_samples, "valid": consumed_valid_samples}.get(name, 0)
+        sampler = GlobalOrderBatchSampler(len(ds), start, mbs, gbs, dp_rank, dp_size, cyclic=name != "train")
         iters.append(_micro_batches(_loader(ds, sampler, cfg.data.num_workers), collate))
     return DataIterators(*iters, train_dataset=train_ds, valid_dataset=valid_ds, test_dataset=test_ds)

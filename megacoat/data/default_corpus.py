@@ -62,26 +62,35 @@ def _read_text(path: str) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def prepare_default_corpus(cache_dir: Optional[str] = None, log=None) -> DefaultCorpus:
-    """The cached tokenizer and dataset of the default corpus, built on first use (~10 s)."""
+def prepare_default_corpus(cache_dir: Optional[str] = None, log=None, progress: bool = True) -> DefaultCorpus:
+    """The cached tokenizer and dataset of the default corpus, built on first use (~10 s).
+
+    `log(msg)` hears what is being built; `progress` shows a progress bar (stderr) while tokenizing."""
     files = stdlib_source_files()
     base = os.path.join(default_cache_dir(cache_dir), "default_corpus")
     final = os.path.join(base, _corpus_key(files))
     corpus = DefaultCorpus(final, os.path.join(final, "tokenizer.model"), os.path.join(final, "stdlib_text_document"))
     if os.path.isdir(final):
         return corpus
+    say = log or (lambda msg: None)
+    # First use takes ~10 s of silent work otherwise: say what is happening before waiting or building.
+    say(f"preparing the default corpus (first use): a {DEFAULT_VOCAB_SIZE}-piece SentencePiece tokenizer trained "
+        f"on {len(files)} standard-library files, then the files tokenized; cached under {final}")
     with exclusive_lock(final + ".lock"):
         if os.path.isdir(final):  # another process built it while we waited
+            say("the default corpus was prepared by another process")
             return corpus
         t0 = time.perf_counter()
         staging = f"{final}.tmp{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
         try:
+            say("default corpus: training the tokenizer ...")
             model = train_sentencepiece((_read_text(f) for f in files), os.path.join(staging, "tokenizer.model"),
                                         vocab_size=DEFAULT_VOCAB_SIZE, num_threads=2)
+            say(f"default corpus: tokenizer trained in {time.perf_counter() - t0:.1f}s; tokenizing ...")
             preprocess(files, "", "GPTSentencePieceTokenizer", model, input_format="text-files",
-                       json_keys=("text",), append_eod=True, workers=1, progress=False,
+                       json_keys=("text",), append_eod=True, workers=1, progress=progress,
                        output_names={"text": os.path.join(staging, "stdlib_text_document")})
             with open(os.path.join(staging, "SOURCES.txt"), "w") as f:
                 f.write(f"Python {sys.version}\n" + "\n".join(files) + "\n")

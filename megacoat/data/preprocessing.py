@@ -7,6 +7,8 @@ flat however large the input is.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -29,6 +31,8 @@ class Record:
     path: str
     line: int          # 1-based line number; 0 for a whole file
     raw: bytes
+    file_bytes: int = 0  # bytes of the input file read up to the end of this record, since the previous one
+                         # (compressed bytes for .gz: progress is measured against the files' sizes)
 
 
 class BadInputError(ValueError):
@@ -59,26 +63,39 @@ def detect_format(path: str) -> str:
     return "jsonl" if path.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) else "text-lines"
 
 
+@contextlib.contextmanager
 def _open(path: str):
-    if path.endswith(".gz"):
-        import gzip
+    """(readable binary stream, position()): position() is how far into the file on disk reading has
+    got, in compressed bytes for .gz files, so that progress adds up to the file's size."""
+    with open(path, "rb") as raw:
+        if path.endswith(".gz"):
+            import gzip
 
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f, raw.tell
+        else:
+            yield raw, raw.tell
 
 
 def read_records(files: Sequence[str], input_format: str) -> Iterator[Record]:
     for path in files:
         fmt = detect_format(path) if input_format == "auto" else input_format
         if fmt == "text-files":
-            with _open(path) as f:
-                yield Record(path, 0, f.read())
+            with _open(path) as (f, _):
+                yield Record(path, 0, f.read(), os.path.getsize(path))
             continue
-        with _open(path) as f:
+        with _open(path) as (f, position):
+            held, done = None, 0  # one record held back: the file's last one also carries its unread tail
             for lineno, line in enumerate(f, start=1):
                 if fmt == "jsonl" and not line.strip():
                     continue  # blank lines in JSONL are not documents
-                yield Record(path, lineno, line.rstrip(b"\r\n") if fmt == "text-lines" else line)
+                if held is not None:
+                    yield held
+                now = position()
+                held = Record(path, lineno, line.rstrip(b"\r\n") if fmt == "text-lines" else line, now - done)
+                done = now
+            if held is not None:  # trailing blank lines, gzip trailer: counted with the last record
+                yield dataclasses.replace(held, file_bytes=held.file_bytes + os.path.getsize(path) - done)
 
 
 def parse_record(record: Record, input_format: str, json_keys: Sequence[str]) -> Dict[str, str]:
@@ -138,6 +155,7 @@ class EncodedBatch:
     # per document: {key: tokens} or an error message; plus the input bytes for throughput
     documents: List[object] = field(default_factory=list)
     input_bytes: int = 0
+    file_bytes: int = 0  # bytes of the input files these documents span (compressed for .gz)
 
 
 class Encoder:
@@ -147,7 +165,7 @@ class Encoder:
         self.dtype = np.dtype(spec.dtype)
 
     def encode(self, batch: List[Record]) -> EncodedBatch:
-        out = EncodedBatch(input_bytes=sum(len(r.raw) for r in batch))
+        out = EncodedBatch(input_bytes=sum(len(r.raw) for r in batch), file_bytes=sum(r.file_bytes for r in batch))
         parsed = []
         for r in batch:
             try:
@@ -265,7 +283,7 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
                 docs += 1
             seen_bytes += result.input_bytes
             if bar is not None:
-                bar.update(result.input_bytes)
+                bar.update(result.file_bytes)  # the total is the files' sizes on disk
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(docs=docs, docs_per_s=f"{docs / max(elapsed, 1e-9):.0f}", refresh=False)
             elif log_interval and docs >= next_log:

@@ -25,6 +25,8 @@ class GlobalOrderBatchSampler:
             raise ValueError(f"the dataset has {total_samples} samples, fewer than one global batch "
                              f"({global_batch_size})")
         self.total_samples = total_samples
+        if cyclic:  # a cycling stream (validation) resumed after several passes continues inside the pass
+            consumed_samples %= total_samples // global_batch_size * global_batch_size
         self.consumed_samples = consumed_samples
         self.mbs, self.gbs = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size

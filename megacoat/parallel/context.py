@@ -153,11 +153,90 @@ class ParallelContext:
         return ctx
 
 
+class LaunchError(RuntimeError):
+    """The launcher's environment does not say how to join the job; the message says what to do."""
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[07-09,12],cpu3' -> 'gpu07', 'n[001-002]-ib' -> 'n001-ib'."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first host expression
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    if "[" not in first:
+        return first
+    prefix, rest = first.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node `node_id` from SLURM's compressed list, e.g. '4(x2),3' -> 4, 4, 3."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        if "(x" in item:
+            n, rep = item.rstrip(")").split("(x")
+            counts += [int(n)] * int(rep)
+        else:
+            counts.append(int(item))
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def torchrun_env_from_slurm(env) -> dict:
+    """The torchrun variables of a process started by `srun` (one task per GPU) without torchrun.
+
+    Returns {} when torchrun's variables are already there or this is not a multi-task SLURM job
+    step (plain `python` inside an sbatch script runs one process). The port defaults to one
+    derived from the job id, so that jobs sharing a node do not collide."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return {}
+    if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:  # not inside an srun job step
+        return {}
+    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return {}
+    missing = [k for k in ("SLURM_LOCALID",) if k not in env]
+    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not addr and nodelist:
+        addr = first_slurm_host(nodelist)
+    if not addr:
+        missing.append("SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST (or MASTER_ADDR)")
+    if missing:
+        raise LaunchError(f"started by srun with {world} tasks, but {', '.join(missing)} is not set, so this process "
+                          "cannot find the others; launch with `srun torchrun --nnodes $SLURM_NNODES "
+                          "--nproc-per-node N ...` instead, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT")
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env.get(
+        "SLURM_NTASKS_PER_NODE")
+    local_world = slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0))) if per_node else world
+    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", 0) or 0) % 20000)
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env["SLURM_LOCALID"],
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": port}
+
+
+def apply_launcher_environment(env=None) -> dict:
+    """Under `srun python pretrain_gpt.py` (no torchrun), set torchrun's variables from SLURM's, so
+    that the tasks form one job instead of N independent trainings writing the same --save.
+    Returns what was set."""
+    env = os.environ if env is None else env
+    found = torchrun_env_from_slurm(env)
+    env.update(found)
+    return found
+
+
 def init_distributed(backend: str = "auto", timeout_minutes: int = 10, use_cpu: bool = False) -> torch.device:
     """Initialise torch.distributed from torchrun's environment (no-op for a single process).
+    Processes started by srun alone get that environment from SLURM's (apply_launcher_environment).
 
     Returns the device this rank computes on.
     """
+    apply_launcher_environment()
     on_gpu = torch.cuda.is_available() and not use_cpu
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if on_gpu else torch.device("cpu")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
+import sys
 import time
 from typing import Optional
 
@@ -22,6 +25,52 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def configure_library_logging(stream=None) -> None:
+    """Show megacoat's library messages (e.g. `megacoat.data` preparing the default corpus or
+    dataset indices) on stderr. Called by entry points, not by the library: applications that
+    embed megacoat keep their own logging setup. Idempotent."""
+    logger = logging.getLogger("megacoat")
+    if not any(getattr(h, "megacoat_handler", False) for h in logger.handlers):
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.megacoat_handler = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def skip_flags(success: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """[skipped, nan] of one step as a 0/1 int64 device tensor: a step is skipped when its
+    gradient norm is not finite, and counts as a NaN iteration when that norm is NaN."""
+    skipped = ~success.to(torch.bool)
+    return torch.stack([skipped, skipped & torch.isnan(grad_norm.to(skipped.device))]).long()
+
+
+def drop_json_records_after(path: str, iteration: int) -> None:
+    """Remove the JSON-lines records of iterations > `iteration` (atomically: a crash leaves the
+    old file or the new one). Lines that are not records of an iteration are kept."""
+    if not os.path.exists(path):
+        return
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                later = json.loads(line).get("iteration", 0) > iteration
+            except (ValueError, AttributeError, TypeError):
+                later = False
+            if later:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if not dropped:
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class IterationLogger:
     def __init__(self, cfg: MegacoatConfig, ctx: ParallelContext, device, precision: str,
                  peak_tflops: Optional[float], stream):
@@ -29,12 +78,11 @@ class IterationLogger:
         self.precision, self.peak = precision, peak_tflops
         self.stream = stream
         self.enabled = ctx.is_last_rank
-        self._losses, self._norms, self._bytes = [], [], {}
-        self._pending = []
+        self._bytes = {}
+        self._sums = None  # device: steps' [loss, grad norm, successes, skipped, nan] since the last line
+        self._steps = 0
+        self._last_lr = 0.0
         self._t0 = None
-        self._iters_in_interval = 0
-        self._skipped_in_interval = 0
-        self._nan_in_interval = 0
         self.wandb = None
         if self.enabled and cfg.logging.wandb_project:
             try:
@@ -43,52 +91,54 @@ class IterationLogger:
                 raise RuntimeError("--wandb-project needs the wandb package: pip install 'megacoat[wandb]'") from e
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
                                     config=cfg.to_dict())
-        self.json_file = open(cfg.logging.log_json, "a") if (self.enabled and cfg.logging.log_json) else None
+        self.json_file = None  # opened by start(), once the iteration to start from is known
 
     def info(self, msg: str) -> None:
         if self.enabled:
             print(msg, file=self.stream, flush=True)
 
-    def start(self) -> None:
+    def start(self, iteration: int = 0, resuming: bool = False) -> None:
+        """Training starts (or resumes) after `iteration`. A resumed run (--load) first drops the
+        --log-json records of iterations after it: they came from steps that are being redone."""
+        if self.enabled and self.cfg.logging.log_json and self.json_file is None:
+            if resuming:
+                drop_json_records_after(self.cfg.logging.log_json, iteration)
+            self.json_file = open(self.cfg.logging.log_json, "a")
         _sync(self.device)
         self._t0 = time.perf_counter()
 
     def record_step(self, rec, comm_bytes: dict) -> None:
-        self._pending.append(rec)  # resolved at the next log: no host-device sync per step
+        # Summed on the device and read at the next log line: no host-device sync per step, and
+        # nothing kept per step.
+        ok = rec.success_t.to(self.device, torch.bool)
+        loss = rec.loss_t.to(self.device, torch.float64)
+        norm = rec.grad_norm_t.to(self.device, torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        step = torch.cat([torch.stack([torch.where(ok, loss, zero), torch.where(ok, norm, zero), ok.double()]),
+                          skip_flags(ok, norm).double()])
+        self._sums = step if self._sums is None else self._sums + step
+        self._steps += 1
         for k, v in comm_bytes.items():
             self._bytes[k] = self._bytes.get(k, 0) + v
-        self._last = rec
-
-    def _resolve_pending(self, state) -> None:
-        for rec in self._pending:
-            self._iters_in_interval += 1
-            if rec.skipped:
-                self._skipped_in_interval += 1
-                nan = math.isnan(rec.grad_norm)
-                self._nan_in_interval += int(nan)
-                state.skipped_iters += 1
-                state.nan_iters += int(nan)
-            else:
-                self._losses.append(rec.loss)
-                self._norms.append(rec.grad_norm)
-        self._pending = []
+        self._last_lr = rec.lr
 
     def maybe_log(self, state, flops_per_iter: float, force: bool = False) -> None:
         it = state.iteration
         if not force and it % self.cfg.logging.log_interval and it != self.cfg.train.train_iters:
             return
-        if not self._pending:
+        if not self._steps:
             return
         _sync(self.device)
         now = time.perf_counter()
-        self._resolve_pending(state)
-        n = max(self._iters_in_interval, 1)
+        loss_sum, norm_sum, good, skipped, nan = self._sums.tolist()
+        skipped, nan = int(skipped), int(nan)
+        n = self._steps
         dt = (now - self._t0) / n
         t = self.cfg.train
         tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / dt
         tflops = flops_per_iter / dt / self.ctx.world_size / 1e12
-        loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
-        norm = sum(self._norms) / len(self._norms) if self._norms else float("nan")
+        loss = loss_sum / good if good else float("nan")
+        norm = norm_sum / good if good else float("nan")
         mem = peak_memory_gib(self.device)
         comm = {k: v / n for k, v in self._bytes.items()}
         if self.enabled:
@@ -96,13 +146,13 @@ class IterationLogger:
                 f" iteration {it:8d}/{t.train_iters:8d}",
                 f"consumed samples: {state.consumed_samples:12d}",
                 f"elapsed time per iteration (ms): {dt * 1000:.1f}",
-                f"learning rate: {self._last.lr:.6E}",
+                f"learning rate: {self._last_lr:.6E}",
                 f"global batch size: {t.global_batch_size:5d}",
                 f"lm loss: {loss:.6E}",
                 "loss scale: 1.0",
                 f"grad norm: {norm:.3f}",
-                f"number of skipped iterations: {self._skipped_in_interval:3d}",
-                f"number of nan iterations: {self._nan_in_interval:3d}",
+                f"number of skipped iterations: {skipped:3d}",
+                f"number of nan iterations: {nan:3d}",
                 f"throughput (tokens/s): {tokens_per_s:.0f}",
                 f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
             ]
@@ -115,8 +165,8 @@ class IterationLogger:
                              f"param {comm.get('param', 0) / 2**20:.1f} MiB")
             print(" | ".join(parts) + " |", file=self.stream, flush=True)
             record = dict(iteration=it, consumed_samples=state.consumed_samples, time_per_iter_s=dt,
-                          lr=self._last.lr, lm_loss=loss, grad_norm=norm, skipped=self._skipped_in_interval,
-                          nan=self._nan_in_interval, tokens_per_s=tokens_per_s, tflops_per_gpu=tflops,
+                          lr=self._last_lr, lm_loss=loss, grad_norm=norm, skipped=skipped,
+                          nan=nan, tokens_per_s=tokens_per_s, tflops_per_gpu=tflops,
                           mfu=(tflops / self.peak if self.peak else None), peak_mem_gib=mem,
                           comm_bytes_per_iter=comm)
             if self.json_file:
@@ -124,8 +174,7 @@ class IterationLogger:
                 self.json_file.flush()
             if self.wandb:
                 self.wandb.log(record, step=it)
-        self._losses, self._norms, self._bytes = [], [], {}
-        self._iters_in_interval = self._skipped_in_interval = self._nan_in_interval = 0
+        self._sums, self._steps, self._bytes = None, 0, {}
         self._t0 = time.perf_counter()
 
     def log_eval(self, iteration: int, loss: float) -> None:
