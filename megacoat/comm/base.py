@@ -35,7 +35,8 @@ class Pending:
 
 
 class CommStats:
-    """Bytes this rank sent per step, per kind (gradients, parameters), as counted at each collective."""
+    """Bytes this rank sent per step, per kind, as counted at each collective: "grad" (plain gradient
+    sync), "grad_intra" / "grad_inter" (SDP4Bit's two gradient levels), "param" (parameter sync)."""
 
     def __init__(self):
         self.bytes = {"grad": 0, "param": 0}

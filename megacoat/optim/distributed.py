@@ -18,6 +18,7 @@ Parameters may straddle slice boundaries: the optimizer works on per-parameter s
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -60,7 +61,7 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffer = ParamGradBuffer(self.params, opts.grad_dtype, ctx.dp_size, ctx.dp_rank, opts.bucket_size,
                                       shard_alignment(ctx.dp_size))
-        self.stats = CommStats()
+        self.stats = comm.stats if comm is not None else CommStats()
         self.comm = comm or PlainShardedComm(ctx.dp_group, self.stats)
         self.fused = self.params[0].is_cuda
         self._build_masters()
@@ -216,4 +217,5 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
     def after_load(self) -> None:
         """Masters were written through state_ranges(): rebuild every rank's weights from them."""
         self.finish_param_sync()
-        self._gather_params(async_op=False)
+        with getattr(self.comm, "exact_gathers", contextlib.nullcontext)():  # qWD: exact weights, not deltas
+            self._gather_params(async_op=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm.base import CommStats
+from ..comm.sdp4bit import build_comm
 from ..config import MegacoatConfig
 from ..parallel.context import ParallelContext
 from .distributed import DistributedOptimizer, ZeroOptions
@@ -19,4 +21,5 @@ def build_optimizer(model: nn.Module, cfg: MegacoatConfig, ctx: ParallelContext,
     bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx.dp_size)
     opts = ZeroOptions(bucket_size=bucket, overlap_grad_reduce=p.overlap_grad_reduce,
                        overlap_param_gather=p.overlap_param_gather, grad_dtype=grad_dtype)
-    return DistributedOptimizer(model, cfg.optim, ctx, opts)
+    comm = build_comm(cfg.comm, ctx, CommStats(), cfg.train.seed)  # None: plain reduce-scatter / all-gather
+    return DistributedOptimizer(model, cfg.optim, ctx, opts, comm=comm)

@@ -160,9 +160,9 @@ class IterationLogger:
                 parts.append(f"MFU: {100 * tflops / self.peak:.1f}% (of {self.peak:.0f} TFLOP/s {self.precision} peak)")
             mem_name = "peak allocated (GiB)" if self.device.type == "cuda" else "max RSS (GiB)"
             parts.append(f"{mem_name}: {mem:.2f}")
-            if comm.get("grad") or comm.get("param"):
-                parts.append(f"comm bytes/iter: grad {comm.get('grad', 0) / 2**20:.1f} MiB, "
-                             f"param {comm.get('param', 0) / 2**20:.1f} MiB")
+            if any(comm.values()):  # kinds: grad, param; SDP4Bit splits grad into grad_intra / grad_inter
+                parts.append("comm bytes/iter: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
+                                                            for k, v in comm.items() if v))
             print(" | ".join(parts) + " |", file=self.stream, flush=True)
             record = dict(iteration=it, consumed_samples=state.consumed_samples, time_per_iter_s=dt,
                           lr=self._last_lr, lm_loss=loss, grad_norm=norm, skipped=skipped,
