@@ -14,6 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
+from ..precision.linear import refresh_fp8_weights
 from .rope import RotaryEmbedding
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
 
@@ -119,6 +120,8 @@ class GPTModel(nn.Module):
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
         for layer in self.layers:
             self._before(layer)
+            if self.lc.fp8 is not None:
+                refresh_fp8_weights(layer)  # FP8 weight copies, once per optimizer step, outside compiled code
             x = layer(x, rope, attention_mask)
         if not self.post_process:
             return x

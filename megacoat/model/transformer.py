@@ -18,6 +18,9 @@ from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, InitSpec, RowParallelLinear, mark_sequence_parallel, register_replicated
 from ..parallel.mappings import group_size
 from ..parallel.random import RNGTracker
+from ..precision.activations import fp8_activation, fp8_norm, fp8_swiglu
+from ..precision.linear import Fp8LinearImpl
+from ..precision.recipe import Fp8Recipe
 from .rope import apply_rotary
 
 
@@ -33,6 +36,16 @@ class LayerContext:
     seed: int
     # Weight-gradient GEMMs accumulate straight into the optimizer's main_grad (--no-gradient-accumulation-fusion).
     gradient_accumulation_fusion: bool = True
+    # FP8 recipe (--fp8-format/--fp8-recipe), None for bf16/fp32: the transformer linears run their GEMMs
+    # in FP8 and, under coat, norms/activations save FP8 copies (the output layer and attention stay bf16).
+    fp8: Optional[Fp8Recipe] = None
+
+    def linear_impl(self):
+        return Fp8LinearImpl(self.fp8) if self.fp8 is not None else None
+
+    @property
+    def coat(self) -> bool:
+        return self.fp8 is not None and self.fp8.fp8_activations
 
 
 class Norm(nn.Module):
@@ -47,6 +60,10 @@ class Norm(nn.Module):
                                             f"{name}.bias")
         if lc.sequence_parallel:
             mark_sequence_parallel(self)
+
+    def fp8_forward(self, x, residual=None):
+        """COAT's fused norm: (stream = x (+ residual), y, amax of y); saves the stream as FP8 1x16."""
+        return fp8_norm(x, self.weight, self.bias, self.eps, self.kind == "RMSNorm", residual=residual)
 
     def forward(self, x):
         if self.kind == "RMSNorm":
@@ -80,16 +97,18 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, tp_group=lc.tp_group, name=f"{name}.qkv",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear,
                                         sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
-                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
+                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
+                                        linear_impl=lc.linear_impl())
         self.proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, tp_group=lc.tp_group,
                                       name=f"{name}.proj", init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                       bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
                                       dtype=lc.dtype, device=lc.device,
-                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
+                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
+                                      linear_impl=lc.linear_impl())
 
-    def forward(self, x, rope, attention_mask):
+    def forward(self, x, rope, attention_mask, x_amax=None):
         s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
-        qkv = self.qkv(x).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        qkv = self.qkv(x, x_amax=x_amax).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
         k = qkv[:, :, :, self.q_per_group]
         v = qkv[:, :, :, self.q_per_group + 1]
@@ -115,21 +134,29 @@ class MLP(nn.Module):
     def __init__(self, m: ModelConfig, lc: LayerContext, name: str):
         super().__init__()
         self.swiglu = m.activation == "swiglu"
+        self.lc = lc
         ffn = m.ffn_hidden_size
         std = m.init_method_std
         blocks = [ffn, ffn] if self.swiglu else [ffn]  # [gate; up] each split over TP
         self.fc1 = ColumnParallelLinear(m.hidden_size, sum(blocks), tp_group=lc.tp_group, name=f"{name}.fc1",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear, partition_sizes=blocks,
                                         sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
-                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
+                                        gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
+                                        linear_impl=lc.linear_impl())
         self.fc2 = RowParallelLinear(ffn, m.hidden_size, tp_group=lc.tp_group, name=f"{name}.fc2",
                                      init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                      bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
                                      dtype=lc.dtype, device=lc.device,
-                                     gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
+                                     gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
+                                     linear_impl=lc.linear_impl())
 
-    def forward(self, x):
-        h = self.fc1(x)
+    def forward(self, x, x_amax=None):
+        if self.lc.coat:
+            # Fused FP8 activations: save FP8 1x16 copies, hand fc2 the product and its amax.
+            h = self.fc1(x, x_amax=x_amax)
+            p, p_amax = fp8_swiglu(h) if self.swiglu else fp8_activation(h, "gelu")
+            return self.fc2(p, x_amax=p_amax)
+        h = self.fc1(x, x_amax=x_amax)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -154,6 +181,22 @@ class TransformerLayer(nn.Module):
                 h = F.dropout(h, self.hidden_dropout, training=True)
         return residual + h
 
+    def _dropout(self, h):
+        if self.training and self.hidden_dropout > 0:
+            with _dropout_region(self.lc, inside_tp=False, p=self.hidden_dropout):
+                h = F.dropout(h, self.hidden_dropout, training=True)
+        return h
+
+    def _forward_coat(self, x, rope, attention_mask):
+        """COAT: the norms save FP8 1x16 copies of the residual stream, emit their output with its amax
+        for the FP8 GEMM; the residual add before the second norm is fused into it."""
+        _, y, y_amax = self.input_norm.fp8_forward(x)
+        h = self._dropout(self.attention(y, rope, attention_mask, x_amax=y_amax))
+        x, y, y_amax = self.post_attention_norm.fp8_forward(h, residual=x)
+        return x + self._dropout(self.mlp(y, x_amax=y_amax))
+
     def forward(self, x, rope=None, attention_mask=None):
+        if self.lc.coat:
+            return self._forward_coat(x, rope, attention_mask)
         x = self._residual_dropout(self.attention(self.input_norm(x), rope, attention_mask), x)
         return self._residual_dropout(self.mlp(self.post_attention_norm(x)), x)

@@ -99,6 +99,15 @@ def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: O
     return F.linear(x, weight, bias)
 
 
+def _set_linear_impl(self, linear_impl) -> None:
+    """`linear_impl` replaces F.linear (the FP8 GEMM path of precision/linear.py, handed in by the model
+    so that parallel/ does not import precision/): called as `impl(x, weight, bias, cache, x_amax=,
+    sp_group=, fuse_wgrad=)`, with `impl.make_cache()` (its per-weight state, e.g. the FP8 weight copy)
+    and `impl.gathers_fp8(sequence_parallel)` (whether it gathers the sequence-parallel input itself)."""
+    self.linear_impl = linear_impl
+    self.fp8_cache = linear_impl.make_cache() if linear_impl is not None and self.weight is not None else None
+
+
 def _make_param(shape, dtype, device, name, tensor_parallel: bool, shard_info=None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     p.tensor_model_parallel = tensor_parallel
@@ -118,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group, name: str, init: InitSpec,
                  bias: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
                  partition_sizes: Optional[Sequence[int]] = None, dtype=torch.float32, device=None,
-                 skip_weight: bool = False, gradient_accumulation_fusion: bool = False):
+                 skip_weight: bool = False, gradient_accumulation_fusion: bool = False, linear_impl=None):
         super().__init__()
         self.tp_group = tp_group
         tp, rank = group_size(tp_group), group_rank(tp_group)
@@ -141,13 +150,20 @@ class ColumnParallelLinear(nn.Module):
         self.fuse_wgrad = gradient_accumulation_fusion and self.weight is not None
         if self.fuse_wgrad:
             self.weight.grad_added_to_main_grad = True
+        self._set_linear_impl(linear_impl)
         if bias:
             self.bias = _make_param((self.out_local,), dtype, device, f"{name}.bias", True, (0, self.partition_sizes))
             self.bias.data.zero_()
         else:
             self.bias = None
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _set_linear_impl = _set_linear_impl
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                x_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes)."""
+        if self.linear_impl is not None and weight is None:
+            return self._forward_impl(x, x_amax)
         w = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -158,13 +174,31 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_tp_region(y, self.tp_group)
         return y
 
+    def _forward_impl(self, x, x_amax):
+        tp = group_size(self.tp_group)
+        if self.sequence_parallel and self.linear_impl.gathers_fp8(True):
+            # The implementation gathers the (FP8) input itself, with one scale for the whole group.
+            y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
+                                 sp_group=self.tp_group if tp > 1 else None, fuse_wgrad=self.fuse_wgrad)
+        else:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.tp_group)
+                x_amax = x_amax if tp == 1 else None  # a shard's amax is not the gathered tensor's
+            else:
+                x = copy_to_tp_region(x, self.tp_group)
+            y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
+                                 fuse_wgrad=self.fuse_wgrad)
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.tp_group)
+        return y
+
 
 class RowParallelLinear(nn.Module):
     """Y = X W^T + b with W split along its input dimension; partial outputs are summed over TP."""
 
     def __init__(self, in_features: int, out_features: int, *, tp_group, name: str, init: InitSpec,
                  bias: bool = False, input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None, gradient_accumulation_fusion: bool = False):
+                 dtype=torch.float32, device=None, gradient_accumulation_fusion: bool = False, linear_impl=None):
         super().__init__()
         self.tp_group = tp_group
         tp, rank = group_size(tp_group), group_rank(tp_group)
@@ -178,6 +212,7 @@ class RowParallelLinear(nn.Module):
         self.fuse_wgrad = gradient_accumulation_fusion
         if self.fuse_wgrad:
             self.weight.grad_added_to_main_grad = True
+        self._set_linear_impl(linear_impl)
         if bias:
             self.bias = _make_param((out_features,), dtype, device, f"{name}.bias", False)
             self.bias.sequence_parallel = sequence_parallel
@@ -185,10 +220,17 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    _set_linear_impl = _set_linear_impl
+
+    def forward(self, x: torch.Tensor, x_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes)."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
+            x_amax = None
+        if self.linear_impl is not None:
+            y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad)
+        else:
+            y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

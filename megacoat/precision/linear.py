@@ -1,18 +1,245 @@
-"""FP8 linear layers (COAT part 1; being written).
+"""FP8 linear layers (DESIGN 5.2): forward, dgrad and wgrad GEMMs in FP8 with just-in-time
+per-tensor scaling.
 
-Note from the lead to the FP8 work (replace this docstring when the FP8 linear lands here):
-the bf16 path with gradient-accumulation fusion is committed (b48b791) and lives one level down, so
-that `parallel/` does not import `precision/`:
-- `megacoat/kernels/wgrad.py`: custom op `megacoat::wgrad_accumulate_(main_grad, grad_output, inp)`
-  (main_grad += g^T x; fp32 epilogue on CUDA; reference elsewhere).
-- `megacoat/parallel/layers.py`: `_LinearWithGradAccumulation` / `linear_with_grad_accumulation(x, w, b,
-  fuse)`; Column/RowParallelLinear take `gradient_accumulation_fusion` and mark their weight
-  `grad_added_to_main_grad` (the optimizer's GradAccumulator then ignores the placeholder `.grad` and
-  zeroes that main_grad each step; the FP8 wgrad must therefore ADD into main_grad, never overwrite).
-  main_grad is kept on ctx (not saved_tensors): other micro-batches add into it between forward and
-  backward.
-- LayerContext (model/transformer.py) carries `gradient_accumulation_fusion`; add the FP8 recipe the
-  same way and let the layers receive the linear implementation from the model (e.g. a `linear_fn`
-  argument), keeping parallel/ free of precision/ imports.
-From now on linear.py and parallel/layers.py are yours (the FP8 helper's).
+- Forward `y = x W^T`: x and W per-tensor E4M3, output bf16 (plus bias).
+- dgrad `dx = g W`: g per-tensor E5M2 (hybrid) or E4M3, W^T from the weight cache.
+- wgrad `dW = g^T x`: the transposed FP8 copies of g and x; the fp32 result is added straight into
+  `weight.main_grad` (the optimizer's gradient buffer) when the layer fuses gradient accumulation.
+
+GEMMs run through `torch._scaled_mm` on sm_89+ GPUs when every dim is a multiple of 16; otherwise
+(CPU, odd shapes, older GPUs) through an exact emulation: the same FP8 codes and scales,
+dequantized to fp32 and multiplied in fp32 (same numerics up to accumulation order).
+
+`_scaled_mm(a, b)` wants `a` row-major and `b` column-major; every GEMM here is written as
+`a @ bt^T` with both `a` and `bt` row-major, so each operand's FP8 copy is made in the layout its
+GEMM reads: x (fwd) and x^T (wgrad); g (dgrad) and g^T (wgrad), by one fused cast+transpose pass;
+W (fwd) and W^T (dgrad) by the weight cache.
+
+Saved for backward: under `coat` the transposed FP8 copy of x (1 byte/element) and its scale; under
+`tensorwise` the bf16 x (its FP8 copies are remade in backward with the forward's scale).
+
+Weight cache (`Fp8WeightCache`): the FP8 weight, its transpose and scale are made once per optimizer
+step and reused by every micro-batch. They are refreshed outside compiled code (the model calls
+`refresh_fp8_weights(layer)` before each layer; the trainer calls `invalidate_fp8_weights(model)`
+after each optimizer step and checkpoint load). Eager calls also refresh when the weight's version
+counter moved (in-place updates).
+
+Sequence parallelism (`coat`): the column-parallel input is cast with one scale shared by the TP
+group (a scalar max all-reduce), the FP8 codes are all-gathered (1 byte/element instead of 2) and
+the backward reduce-scatters dx in bf16.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.mappings import group_size
+from . import fp8
+from .recipe import Fp8Recipe
+
+
+# ----------------------------------------------------------------------------- GEMM
+def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor) -> bool:
+    if not (a.is_cuda and hasattr(torch, "_scaled_mm")):
+        return False
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        return False
+    if a.dtype == torch.float8_e5m2 and bt.dtype == torch.float8_e5m2:
+        return False  # cuBLAS has no e5m2 x e5m2 kernel
+    return all(d % 16 == 0 for d in (*a.shape, bt.shape[0]))
+
+
+def fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """(a * sa) @ (bt * sb)^T in fp32 from the FP8 codes: the exact emulation."""
+    return torch.mm(a.float() * sa, (bt.float() * sb).t()).to(out_dtype)
+
+
+def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+             fast_accum: bool = False) -> torch.Tensor:
+    """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major."""
+    if _scaled_mm_ok(a, bt):
+        out = torch._scaled_mm(a, bt.t(), scale_a=sa.float().reshape(()), scale_b=sb.float().reshape(()),
+                               out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
+    return fp8_gemm_reference(a, sa, bt, sb, out_dtype)
+
+
+# ----------------------------------------------------------------------------- weight cache
+class Fp8WeightCache:
+    """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.wq = self.wqt = self.scale = None
+        self.stale = True
+        self.version = None
+
+    def invalidate(self) -> None:
+        self.stale = True
+
+    def needs_refresh(self, weight: torch.Tensor) -> bool:
+        return self.stale or self.wq is None or self.version != (weight._version, weight.data_ptr())
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor) -> None:
+        wq, wqt, scale = fp8.quantize_tensorwise(weight.detach(), self.fmt, transpose=True)
+        if self.wq is not None and self.wq.shape == wq.shape and self.wq.device == wq.device:
+            # In place: compiled graphs hold these tensors as inputs; new objects would recompile.
+            self.wq.copy_(wq)
+            self.wqt.copy_(wqt)
+            self.scale.copy_(scale)
+        else:
+            self.wq, self.wqt, self.scale = wq, wqt, scale
+        self.version = (weight._version, weight.data_ptr())
+        self.stale = False
+
+
+def _is_compiling() -> bool:
+    fn = getattr(torch.compiler, "is_compiling", None)
+    if fn is None:  # torch < 2.3
+        import torch._dynamo as dynamo
+        fn = dynamo.is_compiling
+    return fn()
+
+
+# ----------------------------------------------------------------------------- autograd
+@dataclass(frozen=True)
+class _Opts:
+    fwd_fmt: str
+    grad_fmt: str
+    save_fp8: bool           # coat: save x^T in FP8; tensorwise: save bf16 x
+    sp_group: object         # column-parallel input gathered over this group (SP), or None
+    has_main_grad: bool
+
+
+def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
+    """All-gather FP8 codes along dim 0 (as uint8: gloo and older NCCL reject fp8 dtypes)."""
+    n = group_size(group)
+    u = q.contiguous().view(torch.uint8)
+    out = torch.empty((n * u.shape[0], *u.shape[1:]), dtype=torch.uint8, device=u.device)
+    dist.all_gather_into_tensor(out, u, group=group)
+    return out.view(q.dtype)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, x_amax, weight, bias, wq, wqt, w_scale, main_grad, opts: _Opts):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        amax = fp8.amax(x2) if x_amax is None else x_amax.float()
+        if opts.sp_group is not None:
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=opts.sp_group)  # one scale for the gathered x
+        sx = fp8.scale_from_amax(amax, opts.fwd_fmt)
+        if opts.sp_group is not None:
+            xq_local, _ = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, False)
+            xq = _gather_fp8_rows(xq_local, opts.sp_group)
+            xqt = xq.t().contiguous() if opts.save_fp8 else None
+            lead = (x.shape[0] * group_size(opts.sp_group), *x.shape[1:-1])
+        else:
+            xq, xqt = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, opts.save_fp8)
+            lead = x.shape[:-1]
+        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True)
+        if bias is not None:
+            y = y + bias
+        # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
+        # under SP, as Megatron saves it).
+        ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, wqt, w_scale)
+        ctx.main_grad = main_grad  # not saved: other micro-batches add into it meanwhile
+        ctx.opts, ctx.has_bias, ctx.in_shape = opts, bias is not None, x.shape
+        ctx.w_meta = (weight.shape, weight.dtype)
+        return y.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        opts = ctx.opts
+        x_saved, sx, wqt, w_scale = ctx.saved_tensors
+        n = g.shape[-1]
+        g2 = g.reshape(-1, n)
+        gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True)
+        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype)
+        if opts.sp_group is not None:
+            dx = _reduce_scatter_rows(dx, opts.sp_group)
+        dx = dx.view(ctx.in_shape)
+        if opts.save_fp8:
+            xqt = x_saved
+        else:
+            _, xqt = fp8.cast_tensorwise(x_saved, sx, opts.fwd_fmt, True)
+        w_shape, w_dtype = ctx.w_meta
+        if opts.has_main_grad:
+            dw32 = fp8_gemm(gqt, sg, xqt, sx, torch.float32)
+            ctx.main_grad.add_(dw32.view(w_shape))
+            dw = torch.empty(w_shape, dtype=w_dtype, device=g.device)  # placeholder: the hook ignores it
+        else:
+            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype).view(w_shape)
+        db = g2.sum(0) if ctx.has_bias else None
+        return dx, None, dw, db, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
+               recipe: Fp8Recipe, x_amax: Optional[torch.Tensor] = None, sp_group=None,
+               fuse_wgrad: bool = False) -> torch.Tensor:
+    """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
+    `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8)."""
+    if cache.needs_refresh(weight) and not _is_compiling():
+        cache.refresh(weight)
+    main_grad = getattr(weight, "main_grad", None)
+    fuse = fuse_wgrad and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
+    if sp_group is not None and not recipe.fp8_activations:
+        raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
+    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse)
+    return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
+                              main_grad if fuse else None, opts)
+
+
+# ----------------------------------------------------------------------------- module plumbing
+class Fp8LinearImpl:
+    """What Column/RowParallelLinear call instead of F.linear under an FP8 recipe (given to them by
+    the model, so that parallel/ does not import precision/)."""
+
+    def __init__(self, recipe: Fp8Recipe):
+        self.recipe = recipe
+
+    def make_cache(self) -> Fp8WeightCache:
+        return Fp8WeightCache(self.recipe.fwd_format)
+
+    def gathers_fp8(self, sequence_parallel: bool) -> bool:
+        """Under SP, coat gathers the FP8 codes itself; tensorwise gathers bf16 (and saves it)."""
+        return sequence_parallel and self.recipe.fp8_activations
+
+    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False):
+        return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
+                          fuse_wgrad=fuse_wgrad)
+
+
+def _fp8_caches(module: nn.Module):
+    for m in module.modules():
+        cache = getattr(m, "fp8_cache", None)
+        if cache is not None and getattr(m, "weight", None) is not None:
+            yield m, cache
+
+
+def refresh_fp8_weights(module: nn.Module) -> None:
+    """Remake stale FP8 weight copies of the layers in `module` (call outside compiled code)."""
+    for m, cache in _fp8_caches(module):
+        if cache.needs_refresh(m.weight):
+            cache.refresh(m.weight)
+
+
+def invalidate_fp8_weights(module: nn.Module) -> None:
+    """The weights changed (optimizer step, checkpoint load): remake the FP8 copies before next use."""
+    for _, cache in _fp8_caches(module):
+        cache.invalidate()

@@ -28,6 +28,7 @@ from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
+from ..precision.linear import invalidate_fp8_weights
 from ..precision.recipe import resolve_precision
 from .log import IterationLogger, print_config, skip_flags
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
@@ -133,7 +134,7 @@ class Trainer:
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node)
-        self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16)
+        self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision)
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
         # drawn from (seed, parameter name) generators, so they do not depend on it.
         self.rng = seed_everything(cfg.train.seed + 100 * self.ctx.pp_rank, self.ctx.tp_rank, self.device)
@@ -147,7 +148,8 @@ class Trainer:
             compile_layers = self.device.type == "cuda"
         lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
                           self.device, cfg.train.seed,
-                          gradient_accumulation_fusion=cfg.precision.gradient_accumulation_fusion)
+                          gradient_accumulation_fusion=cfg.precision.gradient_accumulation_fusion,
+                          fp8=self.recipe.fp8)
         # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
         self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
                                                      self.padded_vocab, compile_layers=compile_layers)
@@ -166,7 +168,7 @@ class Trainer:
         self.flops_per_iter = flops_per_token(m, self.padded_vocab, m.seq_length) * \
             cfg.train.global_batch_size * m.seq_length
         peak = cfg.logging.peak_tflops or default_peak_tflops(self.device, self.recipe.name)
-        self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.name, peak,
+        self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.log_name, peak,
                                       stream=log_stream or sys.stdout)
         self._iters = None
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
@@ -199,6 +201,8 @@ class Trainer:
         loss = self.forward_backward(micro_batches)
         lr = self.scheduler.step()
         result = self.optimizer.step(lr)
+        if self.recipe.fp8 is not None:
+            invalidate_fp8_weights(self.model)  # FP8 weight copies are remade before each layer's next use
         loss = self._dp_mean(loss)
         st = self.state
         st.iteration += 1
@@ -263,7 +267,7 @@ class Trainer:
         memory = self.optimizer.memory_report()
         if self.setup_memory is not None:
             memory["measured_total"] = self.setup_memory / memory["params"]
-        print_config(cfg, self.ctx, self.recipe.name, self.device, self.model, self.padded_vocab,
+        print_config(cfg, self.ctx, self.recipe.description, self.device, self.model, self.padded_vocab,
                      self.tokenizer.vocab_size, memory, self.logger)
         iters = self.data_iterators()
         self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))

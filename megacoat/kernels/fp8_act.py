@@ -1,0 +1,141 @@
+"""Launchers of the fused FP8 activation kernels (kernels/triton/fp8_act.py).
+
+Same signatures and outputs as the references in `megacoat.precision.activations`, which decides
+when to call them. Triton is imported lazily.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import EPS, FP8_DTYPE, FP8_MAX, triton_cdiv
+
+SAVE = "e4m3"
+ACT_KIND = {"silu": 0, "gelu": 1}
+
+
+def _k():
+    from .triton import fp8_act
+    return fp8_act
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _norm_tile(k: int):
+    bg = _pow2(triton_cdiv(k, 16))
+    br = max(1, min(16, 2048 // (bg * 16)))  # ~2k elements per program for narrow rows
+    warps = 4 if bg * 16 <= 2048 else (8 if bg * 16 <= 8192 else 16)
+    return br, bg, warps
+
+
+def norm_fwd(x, residual, weight, bias, eps: float, rms: bool):
+    k = x.shape[-1]
+    x2 = x.contiguous().view(-1, k)
+    m, g = x2.shape[0], triton_cdiv(k, 16)
+    dev = x.device
+    res = residual.contiguous().view(-1, k) if residual is not None else None
+    stream = torch.empty_like(x2) if res is not None else x2.new_empty(0)
+    y = torch.empty_like(x2)
+    q = torch.empty((m, k), dtype=FP8_DTYPE[SAVE], device=dev)
+    qs = torch.empty((m, g), dtype=torch.float32, device=dev)
+    rstd = torch.empty(m, dtype=torch.float32, device=dev)
+    mean = torch.empty(m if not rms else 0, dtype=torch.float32, device=dev)
+    br, bg, warps = _norm_tile(k)
+    grid = triton_cdiv(m, br)
+    partial = torch.empty(grid, dtype=torch.float32, device=dev)
+    _k().norm_fwd_kernel[(grid,)](
+        x2, res if res is not None else x2, stream if res is not None else x2, weight,
+        bias if bias is not None else weight, y, q, qs, rstd, mean if not rms else rstd, partial,
+        m, k, g, eps, HAS_RES=res is not None, RMS=rms, HAS_BIAS=bias is not None,
+        FMAX=FP8_MAX[SAVE], EPS=EPS, BR=br, BG=bg, num_warps=warps)
+    lead = x.shape[:-1]
+    return (stream.view(x.shape) if res is not None else stream, y.view(x.shape), partial.amax(),
+            q.view(x.shape), qs.view(*lead, g), rstd.view(lead), mean.view(lead) if not rms else mean)
+
+
+def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool):
+    k = dy.shape[-1]
+    dy2 = dy.view(-1, k)
+    m, g = dy2.shape[0], triton_cdiv(k, 16)
+    dev = dy.device
+    br, bg, warps = _norm_tile(k)
+    progs = max(1, min(triton_cdiv(m, br), 4 * _sm_count(dev)))
+    rows_per_prog = triton_cdiv(triton_cdiv(m, progs), br) * br
+    progs = triton_cdiv(m, rows_per_prog)
+    dx = torch.empty_like(dy2)
+    dw = torch.empty((progs, k), dtype=torch.float32, device=dev)
+    db = torch.empty((progs, k) if has_bias else (0,), dtype=torch.float32, device=dev)
+    _k().norm_bwd_kernel[(progs,)](
+        dy2, xq.contiguous().view(-1, k), xs.contiguous().view(-1, g), rstd.contiguous().view(-1),
+        mean.contiguous().view(-1) if not rms else rstd, weight, dx, dw, db if has_bias else dw, m, k, g,
+        rows_per_prog, RMS=rms, HAS_BIAS=has_bias, BR=br, BG=bg, num_warps=warps)
+    return (dx.view(dy.shape), dw.sum(0).to(weight.dtype),
+            db.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0))
+
+
+def _ew_grid(m: int, g: int):
+    bm, bg = 8, 16
+    return bm, bg, (triton_cdiv(m, bm), triton_cdiv(g, bg))
+
+
+def swiglu_fwd(h):
+    two_f = h.shape[-1]
+    if two_f % 2:
+        raise ValueError(f"SwiGLU input's last dim ({two_f}) must be even: [gate; up] halves")
+    f = two_f // 2
+    h2 = h.contiguous().view(-1, two_f)
+    m, g = h2.shape[0], triton_cdiv(f, 16)
+    dev = h.device
+    p = torch.empty((m, f), dtype=h.dtype, device=dev)
+    q = torch.empty((m, 2, f), dtype=FP8_DTYPE[SAVE], device=dev)
+    qs = torch.empty((m, 2, g), dtype=torch.float32, device=dev)
+    bm, bg, grid = _ew_grid(m, g)
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+    _k().swiglu_fwd_kernel[grid](h2, p, q, qs, partial, m, f, g, FMAX=FP8_MAX[SAVE], EPS=EPS, BM=bm, BG=bg,
+                                 num_warps=4)
+    lead = h.shape[:-1]
+    return p.view(*lead, f), partial.amax(), q.view(*lead, 2, f), qs.view(*lead, 2, g)
+
+
+def swiglu_bwd(dp, hq, hs):
+    f = dp.shape[-1]
+    dp2 = dp.view(-1, f)
+    m, g = dp2.shape[0], triton_cdiv(f, 16)
+    dh = torch.empty((m, 2 * f), dtype=dp.dtype, device=dp.device)
+    bm, bg, grid = _ew_grid(m, g)
+    _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, m, f, g,
+                                 BM=bm, BG=bg, num_warps=4)
+    return dh.view(*dp.shape[:-1], 2 * f)
+
+
+def act_fwd(h, kind: str):
+    k = h.shape[-1]
+    h2 = h.contiguous().view(-1, k)
+    m, g = h2.shape[0], triton_cdiv(k, 16)
+    dev = h.device
+    y = torch.empty_like(h2)
+    q = torch.empty((m, k), dtype=FP8_DTYPE[SAVE], device=dev)
+    qs = torch.empty((m, g), dtype=torch.float32, device=dev)
+    bm, bg, grid = _ew_grid(m, g)
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+    _k().act_fwd_kernel[grid](h2, y, q, qs, partial, m, k, g, KIND=ACT_KIND[kind], FMAX=FP8_MAX[SAVE], EPS=EPS,
+                              BM=bm, BG=bg, num_warps=4)
+    return y.view(h.shape), partial.amax(), q.view(h.shape), qs.view(*h.shape[:-1], g)
+
+
+def act_bwd(dy, hq, hs, kind: str):
+    k = dy.shape[-1]
+    dy2 = dy.view(-1, k)
+    m, g = dy2.shape[0], triton_cdiv(k, 16)
+    dh = torch.empty_like(dy2)
+    bm, bg, grid = _ew_grid(m, g)
+    _k().act_bwd_kernel[grid](dy2, hq.contiguous().view(m, k), hs.contiguous().view(m, g), dh, m, k, g,
+                              KIND=ACT_KIND[kind], BM=bm, BG=bg, num_warps=4)
+    return dh.view(dy.shape)

@@ -1,0 +1,201 @@
+"""Fused Triton kernels of the FP8 activation path (reference: megacoat/precision/activations.py).
+
+Tiles are [rows, groups, 16] so that the 1x16 group scales of the saved E4M3 copies come out of
+the same registers that compute the op; masked lanes hold 0 and never raise a group's amax.
+Forward kernels also emit one amax per program (stage one of the two-stage per-tensor amax) of
+the output as rounded to its dtype, which is exactly what the following per-tensor cast reads.
+"""
+import triton
+import triton.language as tl
+
+from .fp8_quant import quantize_groups_store
+
+GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+@triton.jit
+def _tile(rows, groups, lanes, M, K):
+    cols = groups[None, :, None] * 16 + lanes[None, None, :]
+    mask = (rows[:, None, None] < M) & (cols < K)
+    return cols, mask
+
+
+@triton.jit
+def _tile_amax(y, mask):
+    return tl.max(tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=2), axis=1)
+
+
+@triton.jit
+def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, amax_ptr,
+                    M, K, G, eps, HAS_RES: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    FMAX: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BR + tl.arange(0, BR)
+    groups = tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols, mask = _tile(rows, groups, lanes, M, K)
+    off = rows[:, None, None] * K + cols
+    x = tl.load(x_ptr + off, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + off, mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the bf16 stream, rounded as torch's add
+        tl.store(s_ptr + off, s, mask=mask)
+        sf = s.to(tl.float32)
+    else:
+        sf = x.to(tl.float32)
+    quantize_groups_store(sf, rows, groups, lanes, mask, q_ptr, qs_ptr, K, G, FMAX, EPS)
+    rmask = rows < M
+    if RMS:
+        c = sf
+    else:
+        mean = tl.sum(tl.sum(sf, axis=2), axis=1) / K
+        c = tl.where(mask, sf - mean[:, None, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+    var = tl.sum(tl.sum(c * c, axis=2), axis=1) / K
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    cmask = cols < K
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = c * rstd[:, None, None] * w
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    yb = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + off, yb, mask=mask)
+    tl.store(amax_ptr + pid, tl.max(_tile_amax(yb, mask), axis=0))
+
+
+@triton.jit
+def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, M, K, G,
+                    rows_per_prog, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
+    """Each program walks `rows_per_prog` rows and writes one row of weight/bias-gradient partials."""
+    pid = tl.program_id(0)
+    groups = tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols1 = groups[:, None] * 16 + lanes[None, :]
+    w = tl.load(w_ptr + cols1, mask=cols1 < K, other=0.0).to(tl.float32)[None, :, :]
+    dw_acc = tl.zeros([BG, 16], dtype=tl.float32)
+    db_acc = tl.zeros([BG, 16], dtype=tl.float32)
+    start = pid.to(tl.int64) * rows_per_prog
+    end = start + rows_per_prog
+    for r0 in range(0, rows_per_prog, BR):
+        rows = start + r0 + tl.arange(0, BR)
+        rmask = (rows < M) & (rows < end)
+        cols = cols1[None, :, :]
+        mask = rmask[:, None, None] & (cols < K)
+        off = rows[:, None, None] * K + cols
+        q = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=rmask[:, None] & (groups[None, :] < G),
+                    other=0.0)
+        x = q * s[:, :, None]
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        if RMS:
+            xhat = x * rstd[:, None, None]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None, None]) * rstd[:, None, None], 0.0)
+        g = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        gw = g * w
+        c2 = tl.sum(tl.sum(gw * xhat, axis=2), axis=1) / K
+        dx = gw - xhat * c2[:, None, None]
+        if not RMS:
+            dx = dx - (tl.sum(tl.sum(gw, axis=2), axis=1) / K)[:, None, None]
+        dx = dx * rstd[:, None, None]
+        tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(g * xhat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(g, axis=0)
+    pmask = cols1 < K
+    tl.store(dw_ptr + pid * K + cols1, dw_acc, mask=pmask)
+    if HAS_BIAS:
+        tl.store(db_ptr + pid * K + cols1, db_acc, mask=pmask)
+
+
+@triton.jit
+def _act(x, KIND: tl.constexpr):
+    if KIND == 0:  # silu
+        return x * tl.sigmoid(x)
+    else:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = GELU_C * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (2.0 * tl.sigmoid(2.0 * z))
+
+
+@triton.jit
+def _act_grad(x, KIND: tl.constexpr):
+    if KIND == 0:
+        s = tl.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    else:
+        t = 2.0 * tl.sigmoid(2.0 * GELU_C * (x + 0.044715 * x * x * x)) - 1.0
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * x * x)
+
+
+@triton.jit
+def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G,
+                      FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+    """h [M, 2F] = [gate; up] -> p = silu(gate) * up [M, F]; saved codes [M, 2, F], scales [M, 2, G]."""
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    groups = pid_g * BG + tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols, mask = _tile(rows, groups, lanes, M, F)
+    off = rows[:, None, None] * (2 * F) + cols
+    gate = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + off + F, mask=mask, other=0.0).to(tl.float32)
+    quantize_groups_store(gate, rows, groups, lanes, mask, q_ptr, qs_ptr, 2 * F, 2 * G, FMAX, EPS)
+    quantize_groups_store(up, rows, groups, lanes, mask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
+    p = (gate * tl.sigmoid(gate) * up).to(p_ptr.dtype.element_ty)
+    tl.store(p_ptr + rows[:, None, None] * F + cols, p, mask=mask)
+    tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(_tile_amax(p, mask), axis=0))
+
+
+@triton.jit
+def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr):
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    groups = pid_g * BG + tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols, mask = _tile(rows, groups, lanes, M, F)
+    gmask = (rows[:, None] < M) & (groups[None, :] < G)
+    off2 = rows[:, None, None] * (2 * F) + cols
+    soff = rows[:, None] * (2 * G) + groups[None, :]
+    gate = tl.load(q_ptr + off2, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(qs_ptr + soff, mask=gmask, other=0.0)[:, :, None]
+    up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0)[:, :, None]
+    g = tl.load(dp_ptr + rows[:, None, None] * F + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = g * gate * sig
+    tl.store(dh_ptr + off2, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + off2 + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def act_fwd_kernel(h_ptr, y_ptr, q_ptr, qs_ptr, amax_ptr, M, K, G, KIND: tl.constexpr,
+                   FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    groups = pid_g * BG + tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols, mask = _tile(rows, groups, lanes, M, K)
+    off = rows[:, None, None] * K + cols
+    x = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    quantize_groups_store(x, rows, groups, lanes, mask, q_ptr, qs_ptr, K, G, FMAX, EPS)
+    y = _act(x, KIND).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + off, y, mask=mask)
+    tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(_tile_amax(y, mask), axis=0))
+
+
+@triton.jit
+def act_bwd_kernel(dy_ptr, q_ptr, qs_ptr, dh_ptr, M, K, G, KIND: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    groups = pid_g * BG + tl.arange(0, BG)
+    lanes = tl.arange(0, 16)
+    cols, mask = _tile(rows, groups, lanes, M, K)
+    off = rows[:, None, None] * K + cols
+    s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=(rows[:, None] < M) & (groups[None, :] < G),
+                other=0.0)
+    x = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32) * s[:, :, None]
+    g = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dh_ptr + off, (g * _act_grad(x, KIND)).to(dh_ptr.dtype.element_ty), mask=mask)

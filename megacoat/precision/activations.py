@@ -1,0 +1,318 @@
+"""COAT's mixed-granularity FP8 activation path (DESIGN 5.3): fused norms and activations whose
+saved-for-backward tensors are FP8 with 1x16 per-group scales.
+
+Ops (each an autograd function over `torch.library` custom ops, so `torch.compile` keeps every
+kernel whole and opaque; the ops run the Triton kernels of `megacoat.kernels.fp8_act` on CUDA and
+the plain-PyTorch references below elsewhere):
+
+- `fp8_norm(x, weight, bias, eps, rms, residual=None)` -> `(stream, y, y_amax)`: RMSNorm or
+  LayerNorm of `stream = x (+ residual)`. The optional residual add is fused (the bf16 residual
+  stream is kept and returned, its 1x16 FP8 copy is made in the same pass). Saved: the stream as
+  E4M3 1x16 + fp32 rstd (+ fp32 mean for LayerNorm). `y` is emitted in bf16 together with its
+  per-tensor amax (the first stage of the two-stage amax), so the following FP8 linear casts it
+  to per-tensor E4M3 (and the transposed copy for its wgrad) in one pass without an amax pass;
+  the linear saves that FP8 copy, never the bf16 `y`.
+- `fp8_swiglu(h)` -> `(p, p_amax)`: `silu(gate) * up` of `h = [gate; up]` (last dim). Saved:
+  gate and up as E4M3 1x16. The SiLU output is recomputed from the saved gate in backward (a
+  fused kernel does not need it stored: 0.5 bytes/element of ffn less than DESIGN 5.3's list).
+- `fp8_activation(h, kind)` -> `(y, y_amax)`: SiLU or GELU (tanh). Saved: `h` as E4M3 1x16.
+
+All math is fp32; outputs are rounded once to the input dtype. Backward dequantizes the saved
+copies (x = q * s) and computes in fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import fp8 as fp8_quant_kernels
+from ..kernels import fp8_act as act_kernels
+from .fp8 import dequantize_1x16_reference, quantize_1x16_reference
+
+SAVE_FMT = "e4m3"  # forward activations are E4M3 (DESIGN 5.1)
+ACTIVATIONS = ("silu", "gelu")
+
+
+def _empty(ref: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return ref.new_empty(0, dtype=dtype)
+
+
+def _amax_of(y: torch.Tensor) -> torch.Tensor:
+    """amax of the values as emitted (after rounding to the output dtype): exactly what the cast sees."""
+    return y.float().abs().amax() if y.numel() else torch.zeros((), dtype=torch.float32, device=y.device)
+
+
+# ----------------------------------------------------------------------------- references
+def norm_fwd_reference(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                       bias: Optional[torch.Tensor], eps: float, rms: bool):
+    """-> (stream or empty, y, y_amax, xq, xs, rstd, mean or empty)."""
+    stream = x + residual if residual is not None else x
+    sf = stream.float()
+    if rms:
+        mean = None
+        centred = sf
+    else:
+        mean = sf.mean(-1)
+        centred = sf - mean.unsqueeze(-1)
+    var = centred.pow(2).mean(-1)
+    rstd = 1.0 / torch.sqrt(var + eps)
+    yf = centred * rstd.unsqueeze(-1) * weight.float()
+    if bias is not None:
+        yf = yf + bias.float()
+    y = yf.to(x.dtype)
+    xq, xs = quantize_1x16_reference(stream, SAVE_FMT)
+    return (stream if residual is not None else _empty(x, x.dtype), y, _amax_of(y), xq, xs, rstd,
+            mean if mean is not None else _empty(x))
+
+
+def norm_bwd_reference(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor,
+                       mean: torch.Tensor, weight: torch.Tensor, has_bias: bool, rms: bool):
+    """-> (dx, dweight, dbias or empty), from the saved FP8 copy of the input."""
+    k = dy.shape[-1]
+    x = dequantize_1x16_reference(xq, xs, torch.float32)
+    centred = x if rms else x - mean.unsqueeze(-1)
+    xhat = centred * rstd.unsqueeze(-1)
+    g = dy.float()
+    gw = g * weight.float()
+    c2 = (gw * xhat).sum(-1, keepdim=True) / k
+    dx = gw - xhat * c2
+    if not rms:
+        dx = dx - gw.sum(-1, keepdim=True) / k
+    dx = dx * rstd.unsqueeze(-1)
+    g2, xh2 = g.reshape(-1, k), xhat.reshape(-1, k)
+    dw = (g2 * xh2).sum(0).to(weight.dtype)
+    db = g2.sum(0).to(weight.dtype) if has_bias else _empty(dy, weight.dtype)
+    return dx.to(dy.dtype), dw, db
+
+
+def _split_gate_up(h: torch.Tensor):
+    if h.shape[-1] % 2:
+        raise ValueError(f"SwiGLU input's last dim ({h.shape[-1]}) must be even: [gate; up] halves")
+    f = h.shape[-1] // 2
+    return h.reshape(*h.shape[:-1], 2, f)
+
+
+def swiglu_fwd_reference(h: torch.Tensor):
+    """-> (p, p_amax, hq [..., 2, f], hs [..., 2, ceil(f/16)])."""
+    h2 = _split_gate_up(h)
+    gate, up = h2[..., 0, :].float(), h2[..., 1, :].float()
+    p = (gate * torch.sigmoid(gate) * up).to(h.dtype)
+    hq, hs = quantize_1x16_reference(h2, SAVE_FMT)
+    return p, _amax_of(p), hq, hs
+
+
+def swiglu_bwd_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
+    h2 = dequantize_1x16_reference(hq, hs, torch.float32)
+    gate, up = h2[..., 0, :], h2[..., 1, :]
+    g = dp.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = g * silu
+    return torch.stack([dgate, dup], dim=-2).reshape(*dp.shape[:-1], 2 * dp.shape[-1]).to(dp.dtype)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _act_fp32(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return x * torch.sigmoid(x)
+    return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
+
+
+def _act_grad_fp32(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        s = torch.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    t = torch.tanh(_GELU_C * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _check_act(kind: str) -> None:
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"unknown FP8 activation {kind!r}: use one of {ACTIVATIONS}")
+
+
+def act_fwd_reference(h: torch.Tensor, kind: str):
+    """-> (y, y_amax, hq, hs)."""
+    _check_act(kind)
+    y = _act_fp32(h.float(), kind).to(h.dtype)
+    hq, hs = quantize_1x16_reference(h, SAVE_FMT)
+    return y, _amax_of(y), hq, hs
+
+
+def act_bwd_reference(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str):
+    _check_act(kind)
+    x = dequantize_1x16_reference(hq, hs, torch.float32)
+    return (dy.float() * _act_grad_fp32(x, kind)).to(dy.dtype)
+
+
+# ----------------------------------------------------------------------------- custom ops
+def _kernel_ok(*tensors) -> bool:
+    return (all(t is None or t.is_cuda for t in tensors) and fp8_quant_kernels.available()
+            and all(t is None or t.numel() > 0 for t in tensors))
+
+
+@torch.library.custom_op("megacoat::fp8_norm_fwd", mutates_args=())
+def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+              eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor, torch.Tensor]:
+    if _kernel_ok(x, residual, weight, bias):
+        return act_kernels.norm_fwd(x, residual, weight, bias, eps, rms)
+    return norm_fwd_reference(x, residual, weight, bias, eps, rms)
+
+
+@_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, rms):
+    lead, k = x.shape[:-1], x.shape[-1]
+    return (x.new_empty(x.shape) if residual is not None else x.new_empty(0), x.new_empty(x.shape),
+            x.new_empty((), dtype=torch.float32), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((*lead, (k + 15) // 16), dtype=torch.float32), x.new_empty(lead, dtype=torch.float32),
+            x.new_empty(lead if not rms else (0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("megacoat::fp8_norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
+              weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _kernel_ok(dy, xq, xs, rstd, weight):
+        return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms)
+    return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+
+
+@_norm_bwd.register_fake
+def _(dy, xq, xs, rstd, mean, weight, has_bias, rms):
+    return dy.new_empty(dy.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else (0,))
+
+
+@torch.library.custom_op("megacoat::fp8_swiglu_fwd", mutates_args=())
+def _swiglu_fwd(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _kernel_ok(h):
+        return act_kernels.swiglu_fwd(h)
+    return swiglu_fwd_reference(h)
+
+
+@_swiglu_fwd.register_fake
+def _(h):
+    f = h.shape[-1] // 2
+    lead = h.shape[:-1]
+    return (h.new_empty((*lead, f)), h.new_empty((), dtype=torch.float32),
+            h.new_empty((*lead, 2, f), dtype=torch.float8_e4m3fn),
+            h.new_empty((*lead, 2, (f + 15) // 16), dtype=torch.float32))
+
+
+@torch.library.custom_op("megacoat::fp8_swiglu_bwd", mutates_args=())
+def _swiglu_bwd(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+    if _kernel_ok(dp, hq, hs):
+        return act_kernels.swiglu_bwd(dp.contiguous(), hq, hs)
+    return swiglu_bwd_reference(dp, hq, hs)
+
+
+@_swiglu_bwd.register_fake
+def _(dp, hq, hs):
+    return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1]))
+
+
+@torch.library.custom_op("megacoat::fp8_act_fwd", mutates_args=())
+def _act_fwd(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_act(kind)
+    if _kernel_ok(h):
+        return act_kernels.act_fwd(h, kind)
+    return act_fwd_reference(h, kind)
+
+
+@_act_fwd.register_fake
+def _(h, kind):
+    return (h.new_empty(h.shape), h.new_empty((), dtype=torch.float32),
+            h.new_empty(h.shape, dtype=torch.float8_e4m3fn),
+            h.new_empty((*h.shape[:-1], (h.shape[-1] + 15) // 16), dtype=torch.float32))
+
+
+@torch.library.custom_op("megacoat::fp8_act_bwd", mutates_args=())
+def _act_bwd(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str) -> torch.Tensor:
+    _check_act(kind)
+    if _kernel_ok(dy, hq, hs):
+        return act_kernels.act_bwd(dy.contiguous(), hq, hs, kind)
+    return act_bwd_reference(dy, hq, hs, kind)
+
+
+@_act_bwd.register_fake
+def _(dy, hq, hs, kind):
+    return dy.new_empty(dy.shape)
+
+
+# ----------------------------------------------------------------------------- autograd
+class _Fp8Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        stream, y, amax, xq, xs, rstd, mean = _norm_fwd(x, residual, weight, bias, eps, rms)
+        ctx.save_for_backward(xq, xs, rstd, mean, weight)
+        ctx.rms, ctx.has_bias, ctx.has_residual = rms, bias is not None, residual is not None
+        ctx.mark_non_differentiable(amax)
+        ctx.set_materialize_grads(False)
+        return stream, y, amax
+
+    @staticmethod
+    def backward(ctx, g_stream, g_y, _g_amax):
+        xq, xs, rstd, mean, weight = ctx.saved_tensors
+        if g_y is None:
+            g_y = torch.zeros(xq.shape, dtype=weight.dtype, device=xq.device)
+        dx, dw, db = _norm_bwd(g_y, xq, xs, rstd, mean, weight, ctx.has_bias, ctx.rms)
+        if g_stream is not None and ctx.has_residual:
+            dx = dx + g_stream
+        return dx, (dx if ctx.has_residual else None), dw, (db if ctx.has_bias else None), None, None
+
+
+def fp8_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool,
+             residual: Optional[torch.Tensor] = None):
+    """-> (stream, y, y_amax). `stream` is `x + residual` (or `x` itself without a residual)."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"norm weight of size {weight.shape[-1]} does not match the hidden size {x.shape[-1]}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from the input's {tuple(x.shape)}")
+    stream, y, amax = _Fp8Norm.apply(x, residual, weight, bias, float(eps), bool(rms))
+    return (stream if residual is not None else x), y, amax
+
+
+class _Fp8SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        p, amax, hq, hs = _swiglu_fwd(h)
+        ctx.save_for_backward(hq, hs)
+        ctx.mark_non_differentiable(amax)
+        return p, amax
+
+    @staticmethod
+    def backward(ctx, dp, _g_amax):
+        hq, hs = ctx.saved_tensors
+        return _swiglu_bwd(dp, hq, hs)
+
+
+def fp8_swiglu(h: torch.Tensor):
+    """silu(gate) * up of h = [gate; up] along the last dim -> (product, its amax)."""
+    _split_gate_up(h)
+    return _Fp8SwiGLU.apply(h)
+
+
+class _Fp8Act(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, kind):
+        y, amax, hq, hs = _act_fwd(h, kind)
+        ctx.save_for_backward(hq, hs)
+        ctx.kind = kind
+        ctx.mark_non_differentiable(amax)
+        return y, amax
+
+    @staticmethod
+    def backward(ctx, dy, _g_amax):
+        hq, hs = ctx.saved_tensors
+        return _act_bwd(dy, hq, hs, ctx.kind), None
+
+
+def fp8_activation(h: torch.Tensor, kind: str):
+    """SiLU or GELU (tanh) -> (y, its amax); saves h as E4M3 1x16."""
+    _check_act(kind)
+    return _Fp8Act.apply(h, kind)
