@@ -180,10 +180,11 @@ class SDP4BitComm:
         if self.dp == 1:
             codecs.apply_delta(msg.view(1, -1), bucket_param, bits, G, c.quantize_weights_directly)
             return Pending()
-        recv = torch.empty(self.dp, msg.numel(), dtype=torch.uint8, device=msg.device)
+        recv = torch.empty(self.dp * msg.numel(), dtype=torch.uint8, device=msg.device)
         self.stats.add("param", (self.dp - 1) * msg.numel())
         work = dist.all_gather_into_tensor(recv, msg, group=self.group, async_op=async_op)
-        return Pending([work], lambda: codecs.apply_delta(recv, bucket_param, bits, G, c.quantize_weights_directly))
+        return Pending([work], lambda: codecs.apply_delta(recv.view(self.dp, -1), bucket_param, bits, G,
+                                                          c.quantize_weights_directly))
 
 
 def build_comm(cfg, ctx, stats: CommStats, seed: int) -> Optional[SDP4BitComm]:
