@@ -101,6 +101,8 @@ class SDP4BitComm:
                              f"of the gradient quantization group ({unit}); pad buckets with shard_alignment")
         bucket = bucket_grad.storage_offset()
         self._next_round("grad", bucket)
+        for kind, n in self.grad_wire_bytes(S).items():
+            self.stats.add(kind, n)
         if not bucket_grad.is_cuda:
             self._reduce_chain(bucket_grad, shard_out, bucket)
             return Pending()
@@ -155,12 +157,40 @@ class SDP4BitComm:
             work.wait()
             codecs.reduce_decode(recv, shard_out[off: off + sl], sl, bits, group, had, out_scale)
 
-    def _all_to_all(self, send: torch.Tensor, group, kind: str):
+    @staticmethod
+    def _all_to_all(send: torch.Tensor, group, kind: str):
         """Row i of `send` goes to group rank i; row i of the result came from group rank i."""
         recv = torch.empty_like(send)
-        n = send.shape[0]
-        self.stats.add(kind, (n - 1) * send.shape[1])
         return dist.all_to_all_single(recv, send, group=group, async_op=True), recv
+
+    def grad_wire_bytes(self, shard_size: int) -> Dict[str, int]:
+        """Bytes this rank sends per level for one bucket with shards of `shard_size` (what
+        reduce_grads counts; also used to compute byte budgets without running collectives)."""
+        c = self.cfg
+        if not c.quantized_gradients:
+            return {"grad": 0 if self.dp == 1 else (self.dp - 1) * shard_size * 4}
+        L, N = self.local_size, self.nodes
+        out = {"grad_intra": 0, "grad_inter": 0}
+        if self.dp == 1:
+            return out
+        b1, g1 = c.gradient_quantization_bits_intra, c.gq_group_size_intra
+        b2, g2 = c.gradient_quantization_bits_inter, c.gq_group_size_inter
+        for _, sl in slice_bounds(shard_size, c.gradient_alltoall_pipeline, max(g1, g2)):
+            if L > 1 and N > 1:
+                out["grad_intra"] += (L - 1) * codecs.message_bytes(N * sl, b1, g1)
+                out["grad_inter"] += (N - 1) * codecs.message_bytes(sl, b2, g2)
+            elif N == 1:
+                out["grad_intra"] += (L - 1) * codecs.message_bytes(sl, b1, g1)
+            else:
+                out["grad_inter"] += (N - 1) * codecs.message_bytes(sl, b2, g2)
+        return out
+
+    def param_wire_bytes(self, shard_size: int, elem_size: int = 2) -> int:
+        """Bytes this rank sends in one bucket's parameter gather (quantized, or plain weights)."""
+        c = self.cfg
+        if not c.quantized_weights:
+            return (self.dp - 1) * shard_size * elem_size
+        return (self.dp - 1) * codecs.message_bytes(shard_size, c.weight_quantization_bits, c.wq_group_size)
 
     # ---------------------------------------------------------------------------- parameters
     def gather_params(self, bucket_param: torch.Tensor, shard_param: torch.Tensor, master_shard: torch.Tensor,
@@ -181,7 +211,7 @@ class SDP4BitComm:
             codecs.apply_delta(msg.view(1, -1), bucket_param, bits, G, c.quantize_weights_directly)
             return Pending()
         recv = torch.empty(self.dp * msg.numel(), dtype=torch.uint8, device=msg.device)
-        self.stats.add("param", (self.dp - 1) * msg.numel())
+        self.stats.add("param", self.param_wire_bytes(S))
         work = dist.all_gather_into_tensor(recv, msg, group=self.group, async_op=async_op)
         return Pending([work], lambda: codecs.apply_delta(recv.view(self.dp, -1), bucket_param, bits, G,
                                                           c.quantize_weights_directly))

@@ -1,0 +1,222 @@
+"""SDP4Bit evidence on one GPU (issues 12 and 13): kernel times and bandwidth, wire bytes per step.
+
+Part 1 (needs CUDA + Triton): each fused kernel on 256M elements, timed with
+triton.testing.do_bench; bytes moved = bytes read + bytes written by the kernel (its minimum
+traffic); GB/s and the fraction of 4300 GB/s (the H200's measured copy bandwidth). SDP4Bit's own
+kernels measured on this GPU for comparison (ms): 4-bit quantizer 1.22; Hadamard + 8-bit quantize +
+reorder 1.30; dequantize + reduce + requantize 0.67; dequantize + reduce + inverse Hadamard 0.34.
+TLq-HS kernels are sized as one rank of 2 nodes x 2 GPUs with a 256M-element fp32 bucket.
+Also: a plain fp32 copy of 256M elements, and the torch references on 32M elements (eager baseline).
+
+Part 2 (CPU is enough): bytes each rank sends per step for the 1.36B model (h 2048, 24 layers, ffn
+5632, vocab 32000, tied embedding, default 40M-element buckets), plain vs qWD at DP=2 and plain vs
+TLq-HS at 4 ranks as 2 x 2. Single-process emulation: the real bucket layout (ParamGradBuffer over
+parameters of the model's shapes on the meta device) and, per bucket, the byte counts the
+strategies add to CommStats (SDP4BitComm.grad_wire_bytes / param_wire_bytes, plain's ring counts).
+
+Usage: python benchmarks/sdp4bit_bench.py --out results.json   (one failing part is recorded, the others run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megacoat.comm import codecs as C  # noqa: E402
+
+HBM_GBS = 4300.0
+SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_reduce_requantize_int8_to_int4": 0.67,
+              "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
+
+
+def _bench(fn):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def _record(results, name, ms, nbytes, extra=None):
+    gbs = nbytes / ms / 1e6
+    rec = {"ms": round(ms, 4), "bytes": int(nbytes), "GB/s": round(gbs, 1), "frac_of_4300": round(gbs / HBM_GBS, 3)}
+    if name in SDP4BIT_MS:
+        rec["sdp4bit_ms"] = SDP4BIT_MS[name]
+        rec["speedup_vs_sdp4bit"] = round(SDP4BIT_MS[name] / ms, 2)
+    rec.update(extra or {})
+    results[name] = rec
+    print(f"{name:42s} {ms:8.3f} ms {gbs:8.0f} GB/s ({100 * gbs / HBM_GBS:5.1f}% of {HBM_GBS:.0f})"
+          + (f"  SDP4Bit {SDP4BIT_MS[name]} ms" if name in SDP4BIT_MS else ""), flush=True)
+
+
+def _safe(results, name, fn):
+    try:
+        fn()
+    except Exception as e:  # keep going: one failing part must not hide the others
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+    finally:
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def kernel_part(results, n=256 * 2 ** 20):
+    from megacoat.kernels import sdp4bit as K
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    key = C.derive_key(1, 2, 3)
+
+    def copy():
+        x = torch.randn(n, device=dev, generator=g)
+        y = torch.empty_like(x)
+        _record(results, "fp32_copy", _bench(lambda: y.copy_(x)), 8 * n)
+    _safe(results, "fp32_copy", copy)
+
+    def qwd():
+        master = torch.randn(n, device=dev, generator=g) * 0.02
+        w = (master + 1e-3 * torch.randn(n, device=dev, generator=g)).bfloat16()
+        msg = torch.empty(C.message_bytes(n, 4, 2048), dtype=torch.uint8, device=dev)
+        ms = _bench(lambda: K.encode_delta(master, w, msg, 4, 2048, key, False))
+        _record(results, "qwd_encode_delta_int4", ms, 4 * n + 2 * n + msg.numel(),
+                {"what": "fp32 master + bf16 weights -> int4 delta message (G 2048)"})
+        w2 = w.clone()  # n weights = the shards of 2 ranks, n/2 each
+        msgs = torch.empty(2, C.message_bytes(n // 2, 4, 2048), dtype=torch.uint8, device=dev)
+        for r in range(2):
+            K.encode_delta(master[r * n // 2:(r + 1) * n // 2], w[r * n // 2:(r + 1) * n // 2], msgs[r], 4, 2048,
+                           key, False)
+        ms = _bench(lambda: K.apply_delta(msgs, w2, 4, 2048, False))
+        _record(results, "qwd_apply_delta_int4", ms, 4 * n + msgs.numel(),
+                {"what": "bf16 weights += dequant(int4 messages of 2 ranks)"})
+    _safe(results, "qwd", qwd)
+
+    L, N = 2, 2
+    S = n // (L * N)
+
+    def tlq():
+        grad = torch.randn(n, device=dev, generator=g)
+        m1 = torch.empty(L, C.message_bytes(N * S, 8, 128), dtype=torch.uint8, device=dev)
+        ms = _bench(lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key))
+        _record(results, "tlq_encode_hadamard_int8", ms, 4 * n + m1.numel(),
+                {"what": "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2"})
+        m2 = torch.empty(N, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
+        ms = _bench(lambda: K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key))
+        _record(results, "tlq_reduce_requantize_int8_to_int4", ms, m1.numel() + m2.numel(),
+                {"what": "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations"})
+        out = torch.empty(S, device=dev)
+        scale = C.as_fp32(1 / 128)
+        ms = _bench(lambda: K.reduce_decode(m2, out, S, 4, 128, True, scale))
+        _record(results, "tlq_reduce_decode_inverse_hadamard", ms, m2.numel() + 4 * S,
+                {"what": "2 int4 messages of n/4 -> fp32 sum -> inverse Hadamard -> fp32 shard"})
+    _safe(results, "tlq", tlq)
+
+    def references():
+        m = 32 * 2 ** 20
+        grad = torch.randn(m, device=dev, generator=g)
+        S2 = m // 4
+        m1 = torch.empty(2, C.message_bytes(2 * S2, 8, 128), dtype=torch.uint8, device=dev)
+        ms = _bench(lambda: C.encode_partitioned_reference(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
+        _record(results, "torch_reference_encode_hadamard_int8_32M", ms, 4 * m + m1.numel())
+        ms = _bench(lambda: K.encode_partitioned(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
+        _record(results, "triton_encode_hadamard_int8_32M", ms, 4 * m + m1.numel())
+    _safe(results, "references", references)
+
+    def exactness():
+        m = 8 * 2 ** 20
+        grad = torch.randn(m, device=dev, generator=g)
+        S2 = m // 4
+        a = torch.empty(2, C.message_bytes(2 * S2, 8, 128), dtype=torch.uint8, device=dev)
+        b = torch.empty_like(a)
+        C.encode_partitioned_reference(grad, a, S2, 0, S2, 2, 2, 8, 128, True, key)
+        K.encode_partitioned(grad, b, S2, 0, S2, 2, 2, 8, 128, True, key)
+        results["bit_exact_encode_8M"] = bool(torch.equal(a, b))
+        print("kernel == reference (8M, Hadamard + int8):", results["bit_exact_encode_8M"], flush=True)
+    _safe(results, "exactness", exactness)
+
+
+def model_params_meta(h=2048, layers=24, ffn=5632, vocab=32000):
+    """Parameters of the 1.36B Llama-style model (tied embedding, no biases) in registration order."""
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (3 * h, h), (h, h), (h,), (2 * ffn, h), (h, ffn)]
+    shapes += [(h,)]
+    return [torch.nn.Parameter(torch.empty(s, device="meta", dtype=torch.bfloat16)) for s in shapes]
+
+
+def bytes_part(results):
+    from megacoat.comm.base import CommStats
+    from megacoat.comm.plain import ring_shard_bytes
+    from megacoat.comm.sdp4bit import SDP4BitComm
+    from megacoat.config import CommConfig
+    from megacoat.optim.buffers import ParamGradBuffer, shard_alignment
+    from megacoat.parallel.context import ParallelContext
+
+    params = model_params_meta()
+    nparams = sum(p.numel() for p in params)
+    out = {"params": nparams}
+    for name, dp, (L, N), cfg in [
+            ("dp2_qwd", 2, (2, 1), CommConfig(quantized_weights=True)),
+            ("2x2_tlq_hs", 4, (2, 2), CommConfig(quantized_gradients=True, hadamard_transform=True)),
+            ("2x2_tlq_hs_and_qwd", 4, (2, 2), CommConfig(quantized_gradients=True, hadamard_transform=True,
+                                                          quantized_weights=True))]:
+        buf = ParamGradBuffer(params, torch.float32, dp, 0, max(40_000_000, 1_000_000 * dp), shard_alignment(dp))
+        ctx = ParallelContext(world_size=dp, dp_size=dp, dp_intra_size=L, dp_inter_size=N)
+        comm = SDP4BitComm(cfg, ctx, CommStats(), seed=1)
+        plain = {"grad": 0, "param": 0}
+        quant = {}
+        for b in buf.buckets:
+            plain["grad"] += ring_shard_bytes(b.numel, 4, dp)
+            plain["param"] += ring_shard_bytes(b.numel, 2, dp)
+            for k, v in comm.grad_wire_bytes(b.numel // dp).items():
+                quant[k] = quant.get(k, 0) + v
+            quant["param"] = quant.get("param", 0) + comm.param_wire_bytes(b.numel // dp)
+        rec = {"dp": dp, "ranks_per_node": L, "nodes": N, "buckets": len(buf.buckets),
+               "plain_bytes": plain, "sdp4bit_bytes": quant,
+               "plain_MiB": {k: round(v / 2 ** 20, 1) for k, v in plain.items()},
+               "sdp4bit_MiB": {k: round(v / 2 ** 20, 1) for k, v in quant.items()}}
+        sent = sum(v for v in quant.values())
+        rec["total_ratio_plain_over_sdp4bit"] = round(sum(plain.values()) / sent, 2)
+        shard = sum(b.numel for b in buf.buckets) // dp
+        # elements each level carries away from this rank: intra (L-1) peers x N shards (one shard
+        # without an inter level), inter (N-1) shards, parameters (dp-1) copies of the shard
+        sent_elems = {"grad_intra": (L - 1) * (N if N > 1 else 1) * shard, "grad_inter": (N - 1) * shard,
+                      "grad": (dp - 1) * shard, "param": (dp - 1) * shard}
+        rec["bits_per_element_sent"] = {k: round(8 * v / sent_elems[k], 3) for k, v in quant.items() if v}
+        out[name] = rec
+        print(name, json.dumps({k: rec[k] for k in ("plain_MiB", "sdp4bit_MiB", "bits_per_element_sent",
+                                                     "total_ratio_plain_over_sdp4bit")}), flush=True)
+    results["bytes_per_step_1p36B"] = out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--elements", type=int, default=256 * 2 ** 20)
+    args = ap.parse_args()
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}
+    try:
+        import subprocess
+        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        results["device"] = torch.cuda.get_device_name()
+        try:
+            import triton
+            results["triton"] = triton.__version__
+            kernel_part(results, args.elements)
+        except Exception as e:
+            results["kernels"] = {"error": f"{type(e).__name__}: {e}"}
+    else:
+        results["kernels"] = "skipped: no CUDA device"
+    _safe(results, "bytes_per_step_1p36B", lambda: bytes_part(results))
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
