@@ -1,0 +1,132 @@
+"""FP8 linear (megacoat/precision/linear.py): exact emulation, error against bf16 within what
+E4M3/E5M2 imply, main_grad accumulation, the weight cache, what is saved."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacoat.precision import fp8
+from megacoat.precision.linear import Fp8WeightCache, fp8_gemm, fp8_gemm_reference, fp8_linear
+from megacoat.precision.recipe import Fp8Recipe
+
+COAT = Fp8Recipe("e4m3", "e5m2", True)
+TENSORWISE = Fp8Recipe("e4m3", "e5m2", False)
+
+
+def _data(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_gemm_emulation_is_the_dequantized_product():
+    a, bt = _data((24, 48), 1), _data((40, 48), 2)
+    qa, _, sa = fp8.quantize_tensorwise(a, "e5m2")
+    qb, _, sb = fp8.quantize_tensorwise(bt, "e4m3")
+    out = fp8_gemm(qa, sa, qb, sb, torch.float32)
+    exact = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    assert torch.equal(fp8_gemm_reference(qa, sa, qb, sb, torch.bfloat16), out.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", [COAT, TENSORWISE], ids=["coat", "tensorwise"])
+@pytest.mark.parametrize("shape", [(4, 8, 64, 96), (7, 1, 24, 40)])  # (s, b, in, out); odd: not multiples of 16
+def test_forward_backward_within_fp8_error(recipe, shape):
+    s, b, k, n = shape
+    x = _data((s, b, k), 3).requires_grad_(True)
+    w = _data((n, k), 4, scale=0.05).requires_grad_(True)
+    bias = _data((n,), 5).requires_grad_(True)
+    g = _data((s, b, n), 6)
+    y = fp8_linear(x, w, bias, Fp8WeightCache("e4m3"), recipe)
+    y.backward(g)
+    xr, wr, br = (t.detach().clone().requires_grad_(True) for t in (x, w, bias))
+    yr = F.linear(xr.double(), wr.double(), br.double())
+    yr.backward(g.double())
+    # E4M3 x E4M3 (3 mantissa bits each, rounding error <= 2^-4 relative per operand): the random-sign
+    # errors add in quadrature; 0.06 is about 1.5x the observed value and far below any real defect.
+    assert y.dtype == torch.bfloat16 and _rel(y, yr) < 0.06
+    assert _rel(x.grad, xr.grad) < 0.1   # E5M2 gradient (2 mantissa bits) x E4M3 weight
+    assert _rel(w.grad, wr.grad) < 0.1   # E5M2 gradient x E4M3 input
+    assert torch.allclose(bias.grad.double(), br.grad.double(), rtol=1e-2, atol=1e-2)
+    # exactly the emulated quantized product (forward)
+    qx, _, sx = fp8.quantize_tensorwise(x.detach().reshape(-1, k), "e4m3")
+    qw, _, sw = fp8.quantize_tensorwise(w.detach(), "e4m3")
+    exact = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t()
+    # two bf16 roundings: the GEMM output, then the bias add
+    err = (y.detach().reshape(-1, n).double() - (exact + bias.detach().double())).abs()
+    assert (err <= 2 ** -8 * (2 * exact.abs() + bias.detach().double().abs()) + 1e-6).all()
+
+
+def test_coat_and_tensorwise_give_identical_numbers_but_save_different_tensors():
+    x = _data((16, 2, 32), 7)
+    w = _data((48, 32), 8, scale=0.1)
+    g = _data((16, 2, 48), 9)
+    outs = {}
+    for name, recipe in (("coat", COAT), ("tensorwise", TENSORWISE)):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = fp8_linear(xx, ww, None, Fp8WeightCache("e4m3"), recipe)
+        y.backward(g)
+        outs[name] = (y, xx.grad, ww.grad)
+        act = [t for t in saved if t.numel() == x.numel()]
+        if name == "coat":
+            assert [(t.dtype, tuple(t.shape)) for t in act] == [(torch.float8_e4m3fn, (32, 32))]  # x^T in FP8
+        else:
+            assert [t.dtype for t in act] == [torch.bfloat16]
+    for a, b in zip(outs["coat"], outs["tensorwise"]):
+        assert torch.equal(a, b)
+
+
+def test_wgrad_accumulates_into_main_grad():
+    x1, x2 = _data((8, 32), 10), _data((8, 32), 11)
+    w = _data((16, 32), 12).requires_grad_(True)
+    g1, g2 = _data((8, 16), 13), _data((8, 16), 14)
+    init = torch.randn(16, 32)
+    w.main_grad = init.clone()
+    cache = Fp8WeightCache("e4m3")
+    for x, g in ((x1, g1), (x2, g2)):
+        fp8_linear(x, w, None, cache, COAT, fuse_wgrad=True).backward(g)
+    expect = init.double()
+    for x, g in ((x1, g1), (x2, g2)):
+        qg, _, sg = fp8.quantize_tensorwise(g, "e5m2")
+        qx, _, sx = fp8.quantize_tensorwise(x, "e4m3")
+        expect = expect + (qg.double() * sg.double()).t() @ (qx.double() * sx.double())
+    assert w.main_grad.dtype == torch.float32
+    assert torch.allclose(w.main_grad.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_cache_made_once_and_refreshed_when_the_weight_changes():
+    w = _data((16, 32), 15)
+    cache = Fp8WeightCache("e4m3")
+    x = _data((4, 32), 16)
+    fp8_linear(x, w, None, cache, COAT)
+    first = cache.wq
+    calls = []
+    orig = cache.refresh
+    cache.refresh = lambda weight: calls.append(1) or orig(weight)
+    fp8_linear(x, w, None, cache, COAT)
+    assert calls == [] and cache.wq is first  # reused by the next micro-batch
+    with torch.no_grad():
+        w.mul_(2.0)  # an in-place update (version counter moves)
+    fp8_linear(x, w, None, cache, COAT)
+    assert calls == [1] and cache.wq is first  # refreshed in place (compiled graphs keep their inputs)
+    assert cache.scale.item() == pytest.approx((w.float().abs().max().item() + 1e-12) / 448, rel=1e-6)
+    cache.invalidate()  # what the trainer does after an optimizer step (writes through .data are invisible)
+    fp8_linear(x, w, None, cache, COAT)
+    assert calls == [1, 1]
+
+
+def test_output_without_main_grad_is_weight_dtype():
+    w = _data((16, 32), 17).requires_grad_(True)
+    fp8_linear(_data((4, 32), 18), w, None, Fp8WeightCache("e4m3"), TENSORWISE).sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()
+
+
+def test_e4m3_format_uses_e4m3_gradients():
+    x = _data((8, 32), 19).requires_grad_(True)
+    w = _data((16, 32), 20).requires_grad_(True)
+    fp8_linear(x, w, None, Fp8WeightCache("e4m3"), Fp8Recipe("e4m3", "e4m3", True)).backward(_data((8, 16), 21))
+    assert _rel(x.grad, (_data((8, 16), 21).double() @ w.detach().double())) < 0.08
