@@ -124,3 +124,10 @@ def test_mismatched_num_layers_names_the_flag(saved):
 def test_cli_reports_checkpoint_errors_without_traceback(tmp_path):
     r = run_cli(COMMON + ["--train-iters", "1", "--load", str(tmp_path / "nope")])
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--rotary-base", "5000"), ("--norm-epsilon", "1e-6")])
+def test_flags_that_change_the_function_are_checked_on_load(saved, flag, value):
+    """Same shapes, another function: loading must refuse, naming the flag (and the way out)."""
+    msg = _load_error(saved, [flag, value])
+    assert f"{flag}: checkpoint" in msg and "--use-checkpoint-args" in msg

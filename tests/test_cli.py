@@ -17,6 +17,8 @@ def _env():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    for k in [k for k in env if k.startswith("SLURM_")]:  # tests inside a SLURM job: no srun launch detection
+        env.pop(k)
     return env
 
 
@@ -52,6 +54,7 @@ def test_bad_layouts_fail_with_clear_message(args, nproc, expect):
     assert r.returncode != 0
     assert expect in r.stderr + r.stdout, r.stderr[-2000:]
     assert "Traceback" not in r.stderr or nproc > 1  # single process: a message, not a stack trace
+    assert (r.stderr + r.stdout).count("pretrain_gpt.py: error:") == 1  # once, not once per rank
 
 
 def test_unknown_flag_suggests_the_right_one():
@@ -91,6 +94,10 @@ def test_default_main_job_runs(tmp_path):
     losses = _losses(tmp_path / "log.jsonl")
     assert len(losses) == 3 and all(l == l and 0 < l < 20 for l in losses)
     assert "validation loss at iteration 3" in r.stdout
+    # First use: the corpus and tokenizer are built with visible progress, not in silence.
+    assert "preparing the default corpus (first use)" in r.stderr, r.stderr[-2000:]
+    assert "training the tokenizer" in r.stderr and "preprocess" in r.stderr  # the tokenizing progress bar
+    assert "prepared the default corpus" in r.stderr
 
 
 def test_exit_duration_saves_and_stops_at_a_log_iteration(tmp_path):

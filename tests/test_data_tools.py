@@ -43,13 +43,24 @@ def read_documents(prefix):
     return ds, [np.concatenate(ds.document(i)) if ds.document(i) else np.zeros(0) for i in range(ds.num_documents)]
 
 
+@pytest.fixture(scope="module")
+def jsonl_outputs(corpus):
+    """The corpus' JSONL preprocessed with 1 and 2 worker processes: {workers: (prefix, stderr)}."""
+    out = {}
+    for workers in (1, 2):
+        prefix = corpus["tmp"] / f"w{workers}"
+        proc = run_tool("preprocess_data.py", "--input", corpus["jsonl"], "--json-keys", "text", "path",
+                        "--output-prefix", prefix, "--tokenizer-type", "GPTSentencePieceTokenizer",
+                        "--tokenizer-model", corpus["model"], "--append-eod", "--workers", workers,
+                        "--log-interval", 10)
+        out[workers] = (prefix, proc.stderr)
+    return out
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_jsonl_round_trip(corpus, workers):
-    out = corpus["tmp"] / f"w{workers}"
-    proc = run_tool("preprocess_data.py", "--input", corpus["jsonl"], "--json-keys", "text", "path",
-                    "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer",
-                    "--tokenizer-model", corpus["model"], "--append-eod", "--workers", workers, "--log-interval", 10)
-    assert "MB/s" in proc.stderr
+def test_jsonl_round_trip(corpus, jsonl_outputs, workers):
+    out, stderr = jsonl_outputs[workers]
+    assert "MB/s" in stderr
     tok = GPTSentencePieceTokenizer(corpus["model"])
     ds, docs = read_documents(f"{out}_text_document")
     assert ds.dtype == np.uint16 and len(docs) == len(corpus["texts"])
@@ -62,13 +73,44 @@ def test_jsonl_round_trip(corpus, workers):
     assert [tok.detokenize(p[:-1].tolist()) for p in paths] == corpus["files"]  # a second key
 
 
-def test_workers_write_identical_files(corpus):
-    if not os.path.exists(f"{corpus['tmp']}/w1_text_document.bin") or \
-            not os.path.exists(f"{corpus['tmp']}/w2_text_document.bin"):
-        pytest.skip("needs test_jsonl_round_trip outputs")
+def test_workers_write_identical_files(jsonl_outputs):
+    """Independent of test order: the fixture makes both outputs (this test never skips)."""
+    (w1, _), (w2, _) = jsonl_outputs[1], jsonl_outputs[2]
     for ext in (".bin", ".idx"):
-        a = open(f"{corpus['tmp']}/w1_text_document{ext}", "rb").read()
-        assert a == open(f"{corpus['tmp']}/w2_text_document{ext}", "rb").read()
+        a = open(f"{w1}_text_document{ext}", "rb").read()
+        assert len(a) > 0 and a == open(f"{w2}_text_document{ext}", "rb").read()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl"])
+def test_progress_bar_counts_file_bytes(tmp_path, monkeypatch, suffix):
+    """The bar's total is the input files' size on disk, so it must count bytes on disk: compressed
+    ones for .gz (raw text is ~20x larger here), ending exactly at the total, never beyond."""
+    import gzip
+
+    import tqdm
+
+    from megacoat.data.preprocessing import preprocess
+
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": " ".join(str(int(v)) for v in rng.integers(0, 9, size=200))}) + "\n"
+             for _ in range(300)] + ["\n\n"]  # trailing blank lines count too
+    path = tmp_path / f"ids{suffix}"
+    data = "".join(lines).encode()
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    seen = []
+
+    class RecordingBar(tqdm.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            seen.append((self.n, self.total))
+
+    monkeypatch.setattr(tqdm, "tqdm", RecordingBar)
+    result = preprocess([str(path)], str(tmp_path / "out"), "NullTokenizer", vocab_size=10, progress=True)
+    assert result.documents == 300
+    size = os.path.getsize(path)
+    assert seen and all(total == size for _, total in seen)
+    assert all(n <= size for n, _ in seen)
+    assert seen[-1][0] == size
 
 
 def test_text_files_and_text_lines(corpus):
