@@ -16,6 +16,9 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 EPS = 1e-12
 AMAX_BLOCK = 4096
+# Tile sizes and warps per kernel: (rows, cols or 16-groups, num_warps). A dict so that
+# benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use.
+TILES = {"cast": (64, 128, 8), "quantize_1x16": (16, 16, 4), "dequantize_1x16": (16, 16, 4)}
 
 
 @lru_cache(maxsize=None)
@@ -59,10 +62,10 @@ def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: str, transpose: b
     m, k = x2.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
     qt = torch.empty((k, m) if transpose else (0,), dtype=FP8_DTYPE[fmt], device=x.device)
-    bm, bk = 64, 128
+    bm, bk, warps = TILES["cast"]
     grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
     _k().cast_kernel[grid](x2, scale.float().contiguous(), q, qt if transpose else q, m, k, x2.stride(0),
-                           FMAX=FP8_MAX[fmt], TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=8)
+                           FMAX=FP8_MAX[fmt], TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=warps)
     return q.view(x.shape), qt
 
 
@@ -72,10 +75,10 @@ def quantize_1x16(x: torch.Tensor, fmt: str):
     g = triton_cdiv(k, 16)
     q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
     s = torch.empty((m, g), dtype=torch.float32, device=x.device)
-    bm, bg = 16, 16
+    bm, bg, warps = TILES["quantize_1x16"]
     grid = (triton_cdiv(m, bm), triton_cdiv(g, bg))
     _k().quantize_1x16_kernel[grid](x2, q, s, m, k, g, x2.stride(0), FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BG=bg,
-                                    num_warps=4)
+                                    num_warps=warps)
     return q.view(x.shape), s.view(*x.shape[:-1], g)
 
 
@@ -87,9 +90,9 @@ def dequantize_1x16(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         raise ValueError(f"1x16 scales of shape {tuple(scales.shape)} do not match codes of shape {tuple(q.shape)}")
     s2 = scales.contiguous().view(-1, g)
     y = torch.empty((m, k), dtype=dtype, device=q.device)
-    bm, bg = 16, 16
+    bm, bg, warps = TILES["dequantize_1x16"]
     grid = (triton_cdiv(m, bm), triton_cdiv(g, bg))
-    _k().dequantize_1x16_kernel[grid](q2, s2, y, m, k, g, BM=bm, BG=bg, num_warps=4)
+    _k().dequantize_1x16_kernel[grid](q2, s2, y, m, k, g, BM=bm, BG=bg, num_warps=warps)
     return y.view(q.shape)
 
 

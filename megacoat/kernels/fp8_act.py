@@ -11,6 +11,9 @@ from .fp8 import EPS, FP8_DTYPE, FP8_MAX, triton_cdiv
 
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
+# (rows, 16-groups, num_warps) of the element-wise kernels; the norms take whole rows (see _norm_tile).
+# Module-level so that benchmarks/fp8_bench.py can sweep them.
+TILES = {"elementwise": (8, 16, 4), "norm_elems_per_program": 2048}
 
 
 def _k():
@@ -30,7 +33,7 @@ def _sm_count(device) -> int:
 
 def _norm_tile(k: int):
     bg = _pow2(triton_cdiv(k, 16))
-    br = max(1, min(16, 2048 // (bg * 16)))  # ~2k elements per program for narrow rows
+    br = max(1, min(16, TILES["norm_elems_per_program"] // (bg * 16)))  # several narrow rows per program
     warps = 4 if bg * 16 <= 2048 else (8 if bg * 16 <= 8192 else 16)
     return br, bg, warps
 
@@ -81,8 +84,8 @@ def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool):
 
 
 def _ew_grid(m: int, g: int):
-    bm, bg = 8, 16
-    return bm, bg, (triton_cdiv(m, bm), triton_cdiv(g, bg))
+    bm, bg, warps = TILES["elementwise"]
+    return bm, bg, warps, (triton_cdiv(m, bm), triton_cdiv(g, bg))
 
 
 def swiglu_fwd(h):
@@ -96,10 +99,10 @@ def swiglu_fwd(h):
     p = torch.empty((m, f), dtype=h.dtype, device=dev)
     q = torch.empty((m, 2, f), dtype=FP8_DTYPE[SAVE], device=dev)
     qs = torch.empty((m, 2, g), dtype=torch.float32, device=dev)
-    bm, bg, grid = _ew_grid(m, g)
+    bm, bg, warps, grid = _ew_grid(m, g)
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
     _k().swiglu_fwd_kernel[grid](h2, p, q, qs, partial, m, f, g, FMAX=FP8_MAX[SAVE], EPS=EPS, BM=bm, BG=bg,
-                                 num_warps=4)
+                                 num_warps=warps)
     lead = h.shape[:-1]
     return p.view(*lead, f), partial.amax(), q.view(*lead, 2, f), qs.view(*lead, 2, g)
 
@@ -109,9 +112,9 @@ def swiglu_bwd(dp, hq, hs):
     dp2 = dp.view(-1, f)
     m, g = dp2.shape[0], triton_cdiv(f, 16)
     dh = torch.empty((m, 2 * f), dtype=dp.dtype, device=dp.device)
-    bm, bg, grid = _ew_grid(m, g)
+    bm, bg, warps, grid = _ew_grid(m, g)
     _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, m, f, g,
-                                 BM=bm, BG=bg, num_warps=4)
+                                 BM=bm, BG=bg, num_warps=warps)
     return dh.view(*dp.shape[:-1], 2 * f)
 
 
@@ -123,10 +126,10 @@ def act_fwd(h, kind: str):
     y = torch.empty_like(h2)
     q = torch.empty((m, k), dtype=FP8_DTYPE[SAVE], device=dev)
     qs = torch.empty((m, g), dtype=torch.float32, device=dev)
-    bm, bg, grid = _ew_grid(m, g)
+    bm, bg, warps, grid = _ew_grid(m, g)
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
     _k().act_fwd_kernel[grid](h2, y, q, qs, partial, m, k, g, KIND=ACT_KIND[kind], FMAX=FP8_MAX[SAVE], EPS=EPS,
-                              BM=bm, BG=bg, num_warps=4)
+                              BM=bm, BG=bg, num_warps=warps)
     return y.view(h.shape), partial.amax(), q.view(h.shape), qs.view(*h.shape[:-1], g)
 
 
@@ -135,7 +138,7 @@ def act_bwd(dy, hq, hs, kind: str):
     dy2 = dy.view(-1, k)
     m, g = dy2.shape[0], triton_cdiv(k, 16)
     dh = torch.empty_like(dy2)
-    bm, bg, grid = _ew_grid(m, g)
+    bm, bg, warps, grid = _ew_grid(m, g)
     _k().act_bwd_kernel[grid](dy2, hq.contiguous().view(m, k), hs.contiguous().view(m, g), dh, m, k, g,
-                              KIND=ACT_KIND[kind], BM=bm, BG=bg, num_warps=4)
+                              KIND=ACT_KIND[kind], BM=bm, BG=bg, num_warps=warps)
     return dh.view(dy.shape)

@@ -41,7 +41,7 @@ class LayerContext:
     fp8: Optional[Fp8Recipe] = None
 
     def linear_impl(self):
-        return Fp8LinearImpl(self.fp8) if self.fp8 is not None else None
+        return Fp8LinearImpl(self.fp8, self.device) if self.fp8 is not None else None
 
     @property
     def coat(self) -> bool:

@@ -43,10 +43,19 @@ from .recipe import Fp8Recipe
 
 
 # ----------------------------------------------------------------------------- GEMM
-def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor) -> bool:
-    if not (a.is_cuda and hasattr(torch, "_scaled_mm")):
+def device_has_fp8_gemm(device) -> bool:
+    """sm_89+ CUDA device and a torch with `_scaled_mm`. Asked once per layer at construction: the
+    answer is then a constant inside compiled code."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
-    if torch.cuda.get_device_capability(a.device) < (8, 9):
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor, hw: Optional[bool]) -> bool:
+    if hw is None:
+        hw = device_has_fp8_gemm(a.device)
+    if not (hw and a.is_cuda):
         return False
     if a.dtype == torch.float8_e5m2 and bt.dtype == torch.float8_e5m2:
         return False  # cuBLAS has no e5m2 x e5m2 kernel
@@ -60,9 +69,11 @@ def fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: 
 
 
 def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-             fast_accum: bool = False) -> torch.Tensor:
-    """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major."""
-    if _scaled_mm_ok(a, bt):
+             fast_accum: bool = False, hw: Optional[bool] = None) -> torch.Tensor:
+    """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major. `hw`: whether
+    the device has FP8 GEMMs (None: ask). Odd shapes (a dim not a multiple of 16) and e5m2 x e5m2 run
+    the emulation."""
+    if _scaled_mm_ok(a, bt, hw):
         out = torch._scaled_mm(a, bt.t(), scale_a=sa.float().reshape(()), scale_b=sb.float().reshape(()),
                                out_dtype=out_dtype, use_fast_accum=fast_accum)
         return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
@@ -115,6 +126,7 @@ class _Opts:
     save_fp8: bool           # coat: save x^T in FP8; tensorwise: save bf16 x
     sp_group: object         # column-parallel input gathered over this group (SP), or None
     has_main_grad: bool
+    hw_gemm: bool            # the device has FP8 GEMMs (decided outside compiled code)
 
 
 def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
@@ -152,7 +164,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         else:
             xq, xqt = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, opts.save_fp8)
             lead = x.shape[:-1]
-        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True)
+        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm)
         if bias is not None:
             y = y + bias
         # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
@@ -170,7 +182,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True)
-        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype)
+        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm)
         if opts.sp_group is not None:
             dx = _reduce_scatter_rows(dx, opts.sp_group)
         dx = dx.view(ctx.in_shape)
@@ -180,27 +192,29 @@ class _Fp8LinearFn(torch.autograd.Function):
             _, xqt = fp8.cast_tensorwise(x_saved, sx, opts.fwd_fmt, True)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
-            dw32 = fp8_gemm(gqt, sg, xqt, sx, torch.float32)
+            dw32 = fp8_gemm(gqt, sg, xqt, sx, torch.float32, hw=opts.hw_gemm)
             ctx.main_grad.add_(dw32.view(w_shape))
             dw = torch.empty(w_shape, dtype=w_dtype, device=g.device)  # placeholder: the hook ignores it
         else:
-            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype).view(w_shape)
+            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm).view(w_shape)
         db = g2.sum(0) if ctx.has_bias else None
         return dx, None, dw, db, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
                recipe: Fp8Recipe, x_amax: Optional[torch.Tensor] = None, sp_group=None,
-               fuse_wgrad: bool = False) -> torch.Tensor:
+               fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None) -> torch.Tensor:
     """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
     `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8)."""
-    if cache.needs_refresh(weight) and not _is_compiling():
+    if not _is_compiling() and cache.needs_refresh(weight):  # compiled callers refresh beforehand
         cache.refresh(weight)
+    if hw_gemm is None:
+        hw_gemm = device_has_fp8_gemm(x.device)
     main_grad = getattr(weight, "main_grad", None)
     fuse = fuse_wgrad and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
-    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse)
+    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm)
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
                               main_grad if fuse else None, opts)
 
@@ -210,8 +224,9 @@ class Fp8LinearImpl:
     """What Column/RowParallelLinear call instead of F.linear under an FP8 recipe (given to them by
     the model, so that parallel/ does not import precision/)."""
 
-    def __init__(self, recipe: Fp8Recipe):
+    def __init__(self, recipe: Fp8Recipe, device=None):
         self.recipe = recipe
+        self.hw_gemm = device_has_fp8_gemm(device) if device is not None else None
 
     def make_cache(self) -> Fp8WeightCache:
         return Fp8WeightCache(self.recipe.fwd_format)
@@ -222,7 +237,7 @@ class Fp8LinearImpl:
 
     def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False):
         return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
-                          fuse_wgrad=fuse_wgrad)
+                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm)
 
 
 def _fp8_caches(module: nn.Module):
