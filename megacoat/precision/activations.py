@@ -26,7 +26,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import fp8 as fp8_quant_kernels
 from ..kernels import fp8_act as act_kernels

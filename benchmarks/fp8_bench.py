@@ -1,0 +1,416 @@
+"""COAT part 1 evidence on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
+one transformer layer per recipe.
+
+    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer]
+                                   [--no-sweep] [--no-compile] [--budget-s 160]
+
+Parts (each runs on its own: a failing part is recorded with its error and the others go on):
+- kernels: every FP8 kernel on a 16384 x 4096 bf16 tensor (time by triton.testing.do_bench, bytes
+  moved, GB/s and % of 4300 GB/s), against COAT's own Triton kernels measured on this GPU (DESIGN
+  5.2, issue 10) and a plain copy; the eager per-tensor quantize + transpose as the unfused anchor.
+  With sweep: a few tile configurations per kernel, the best reported (to pick the defaults).
+- saved: bytes saved for backward by one Llama layer (hidden 4096, ffn 11008, 32 heads, seq 2048,
+  micro-batch 1), counted with saved-tensor hooks (storages deduplicated, weights and FP8 weight
+  copies excluded), in U = batch * seq * hidden * 2 bytes: bf16 vs tensorwise vs coat (target: coat
+  <= 0.60x bf16; COAT's table: 22.66U / TE 18.33U / COAT 13.33U); also the allocator's view.
+- linear: forward + dgrad + wgrad of one layer's four linears at the 1.36B (8192 tokens) and 7B (4096
+  tokens) shapes: bf16 vs FP8 (the full path: quantize, GEMMs, main_grad accumulation) and FP8 GEMMs
+  alone (DESIGN 5.2 anchors: 3.33 -> 1.93 ms and 6.84 -> 3.72 ms).
+- layer: one TransformerLayer (1.36B shape, seq 2048, micro-batch 4) forward + backward per recipe,
+  eager and compiled: time and peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megacoat.kernels import fp8 as K  # noqa: E402
+from megacoat.kernels import fp8_act as KA  # noqa: E402
+from megacoat.precision import fp8  # noqa: E402
+from megacoat.precision.linear import Fp8WeightCache, fp8_gemm, fp8_linear, refresh_fp8_weights  # noqa: E402
+from megacoat.precision.recipe import Fp8Recipe  # noqa: E402
+
+HBM_GBS = 4300.0
+# COAT's own Triton kernels on this H200, 16384 x 4096 bf16 (issue 10)
+COAT_US = {"quantize_1x16": 68.0, "copy": 67.0, "rmsnorm_fwd": 140.0, "silu_fwd": 79.0, "swiglu_fwd": 156.0}
+EAGER_QUANT_T_US = 985.0  # eager per-tensor quantize + transpose, DESIGN 5.2
+RECIPES = {"bf16": None, "tensorwise": Fp8Recipe(fp8_activations=False), "coat": Fp8Recipe()}
+
+
+DEV = "cuda"
+SMOKE = False  # --smoke: tiny shapes on the CPU, to check this script's logic without a GPU
+
+
+def bench_us(fn) -> float:
+    if SMOKE:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+    from triton.testing import do_bench
+    return 1000.0 * do_bench(fn, warmup=25, rep=100)
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mem():
+    return torch.cuda.memory_allocated() if DEV == "cuda" else 0
+
+
+def _row(name, us, nbytes, anchor=None):
+    gbs = nbytes / (us * 1e-6) / 1e9
+    r = dict(kernel=name, time_us=round(us, 2), bytes=int(nbytes), gb_s=round(gbs, 1),
+             pct_of_hbm=round(100 * gbs / HBM_GBS, 1))
+    if anchor is not None:
+        r["coat_us"] = anchor
+        r["ours_over_coat"] = round(us / anchor, 3)
+    print(f"  {name:34s} {us:9.1f} us {gbs:8.0f} GB/s {r['pct_of_hbm']:5.1f}%"
+          + (f"  COAT {anchor:.0f} us -> x{us / anchor:.2f}" if anchor else ""), flush=True)
+    return r
+
+
+def part_kernels(args):
+    if SMOKE:
+        return dict(skipped="the Triton kernels need a GPU (tests/test_fp8_triton_interp.py checks them on CPU)")
+    m, k = 16384, 4096
+    n = m * k
+    dev = DEV
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(m, k, device=dev, generator=g)).to(torch.bfloat16)
+    x2 = (torch.randn(m, k, device=dev, generator=g)).to(torch.bfloat16)
+    h = (torch.randn(m, 2 * k, device=dev, generator=g)).to(torch.bfloat16)
+    w = torch.randn(k, device=dev, generator=g).to(torch.bfloat16)
+    scale = fp8.scale_from_amax(K.amax(x), "e4m3")
+    rows = []
+    rows.append(_row("copy (x.clone)", bench_us(lambda: x.clone()), 4 * n, COAT_US["copy"]))
+    rows.append(_row("amax (two-stage)", bench_us(lambda: K.amax(x)), 2 * n))
+    rows.append(_row("cast e4m3 (given scale)", bench_us(lambda: K.cast_tensorwise(x, scale, "e4m3", False)), 3 * n))
+    rows.append(_row("cast e4m3 + transposed copy", bench_us(lambda: K.cast_tensorwise(x, scale, "e4m3", True)),
+                     4 * n))
+    rows.append(_row("quantize_tensorwise+T (amax+cast)",
+                     bench_us(lambda: fp8.quantize_tensorwise(x, "e4m3", transpose=True)), 6 * n))
+    rows.append(_row("eager torch quantize+T (reference)",
+                     bench_us(lambda: fp8.cast_tensorwise_reference(x, fp8.scale_from_amax(fp8.amax_reference(x),
+                                                                                             "e4m3"), "e4m3", True)),
+                     6 * n, EAGER_QUANT_T_US))
+    rows.append(_row("quantize_1x16 e4m3", bench_us(lambda: K.quantize_1x16(x, "e4m3")), 3.25 * n,
+                     COAT_US["quantize_1x16"]))
+    q, s = K.quantize_1x16(x, "e4m3")
+    rows.append(_row("dequantize_1x16 -> bf16", bench_us(lambda: K.dequantize_1x16(q, s, torch.bfloat16)), 3.25 * n))
+    rows.append(_row("rmsnorm fwd (y bf16 + x 1x16 + rstd)",
+                     bench_us(lambda: KA.norm_fwd(x, None, w, None, 1e-5, True)), 5.25 * n, COAT_US["rmsnorm_fwd"]))
+    rows.append(_row("add + rmsnorm fwd (stream, y, 1x16)",
+                     bench_us(lambda: KA.norm_fwd(x, x2, w, None, 1e-5, True)), 9.25 * n))
+    out = KA.norm_fwd(x, None, w, None, 1e-5, True)
+    rows.append(_row("rmsnorm bwd", bench_us(lambda: KA.norm_bwd(x2, out[3], out[4], out[5], out[6], w, False, True)),
+                     5.25 * n))
+    rows.append(_row("silu fwd (y + x 1x16)", bench_us(lambda: KA.act_fwd(x, "silu")), 5.25 * n, COAT_US["silu_fwd"]))
+    rows.append(_row("gelu fwd (y + x 1x16)", bench_us(lambda: KA.act_fwd(x, "gelu")), 5.25 * n))
+    a = KA.act_fwd(x, "silu")
+    rows.append(_row("silu bwd", bench_us(lambda: KA.act_bwd(x2, a[2], a[3], "silu")), 5.25 * n))
+    rows.append(_row("swiglu fwd (2 x [16384,4096] in)", bench_us(lambda: KA.swiglu_fwd(h)), 8.5 * n,
+                     COAT_US["swiglu_fwd"]))
+    sw = KA.swiglu_fwd(h)
+    rows.append(_row("swiglu bwd", bench_us(lambda: KA.swiglu_bwd(x2, sw[2], sw[3])), 8.5 * n))
+    result = {"shape": [m, k], "rows": rows}
+    if args.sweep:
+        result["sweep"] = _sweep(x, h, scale, n)
+    return result
+
+
+def _sweep(x, h, scale, n):
+    """A few tile configurations per kernel family; the defaults are whatever K.TILES / KA.TILES hold."""
+    out = {}
+    saved_k, saved_ka = dict(K.TILES), dict(KA.TILES)
+    trials = {
+        "cast+T": ("cast", [(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (64, 256, 8), (128, 128, 8)],
+                   lambda: K.cast_tensorwise(x, scale, "e4m3", True), 4 * n, K.TILES),
+        "quantize_1x16": ("quantize_1x16", [(8, 16, 4), (16, 16, 4), (32, 16, 8), (16, 32, 8), (64, 8, 8), (4, 64, 4)],
+                          lambda: K.quantize_1x16(x, "e4m3"), 3.25 * n, K.TILES),
+        "swiglu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8), (32, 8, 8)],
+                       lambda: KA.swiglu_fwd(h), 8.5 * n, KA.TILES),
+        "silu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8), (32, 8, 8)],
+                     lambda: KA.act_fwd(x, "silu"), 5.25 * n, KA.TILES),
+    }
+    for name, (key, configs, fn, nbytes, table) in trials.items():
+        res = []
+        for cfg in configs:
+            table[key] = cfg
+            try:
+                us = bench_us(fn)
+                res.append(dict(config=list(cfg), time_us=round(us, 2), gb_s=round(nbytes / us / 1e3, 1)))
+            except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
+                res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+        K.TILES.update(saved_k)
+        KA.TILES.update(saved_ka)
+        ok = [r for r in res if "time_us" in r]
+        best = min(ok, key=lambda r: r["time_us"]) if ok else None
+        print(f"  sweep {name}: best {best}", flush=True)
+        out[name] = dict(trials=res, best=best)
+    for e in (512, 1024, 2048, 4096, 8192):  # rows per norm program
+        KA.TILES["norm_elems_per_program"] = e
+        w = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
+        us = bench_us(lambda: KA.norm_fwd(x, None, w, None, 1e-5, True))
+        out.setdefault("rmsnorm fwd", {}).setdefault("trials", []).append(dict(elems=e, time_us=round(us, 2)))
+    KA.TILES.update(saved_ka)
+    return out
+
+
+# ------------------------------------------------------------------------------------ layers
+def _llama_layer(recipe, hidden, ffn, heads, seq, compile_layer=False):
+    from megacoat.config import ModelConfig, resolve_model_defaults
+    from megacoat.model.transformer import LayerContext, TransformerLayer
+    from megacoat.parallel.random import seed_everything
+
+    m = ModelConfig(num_layers=24, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+                    seq_length=seq, max_position_embeddings=seq, attention_dropout=0.0, hidden_dropout=0.0)
+    resolve_model_defaults(m)
+    dev = torch.device(DEV)
+    rng = seed_everything(1, 0, dev)
+    lc = LayerContext(None, False, rng, torch.bfloat16, dev, 1, fp8=recipe)
+    layer = TransformerLayer(m, lc, 0)
+    if compile_layer:
+        layer.compile()
+    return layer, m
+
+
+def _rope(m, seq, dev):
+    from megacoat.model.rope import RotaryEmbedding
+    pos = torch.arange(seq, device=dev).unsqueeze(0)
+    return RotaryEmbedding(m.kv_channels, seq, m.rotary_base, device=dev)(pos, torch.bfloat16)
+
+
+def part_saved(args):
+    hidden, ffn, heads, seq, mbs = (4096, 11008, 32, 2048, 1) if not SMOKE else (256, 688, 4, 64, 1)
+    unit = mbs * seq * hidden * 2
+    out = {"unit_bytes": unit, "shape": dict(hidden=hidden, ffn=ffn, heads=heads, seq=seq, micro_batch=mbs)}
+    for name, recipe in RECIPES.items():
+        try:
+            layer, m = _llama_layer(recipe, hidden, ffn, heads, seq)
+            refresh_fp8_weights(layer)
+            rope = _rope(m, seq, torch.device(DEV))
+            excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            for mod in layer.modules():
+                c = getattr(mod, "fp8_cache", None)
+                if c is not None and c.wq is not None:
+                    excluded |= {t.untyped_storage().data_ptr() for t in (c.wq, c.wqt, c.scale)}
+            for t in rope:
+                excluded.add(t.untyped_storage().data_ptr())
+            seen, by_dtype = {}, {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr not in excluded and ptr not in seen:
+                    seen[ptr] = st.nbytes()
+                    key = str(t.dtype).replace("torch.", "")
+                    by_dtype[key] = by_dtype.get(key, 0) + st.nbytes()
+                return t
+
+            x = torch.randn(seq, mbs, hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            _sync()
+            before = _mem()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(x, rope)
+            _sync()
+            alloc = _mem() - before - y.numel() * y.element_size()
+            total = sum(seen.values())
+            out[name] = dict(saved_bytes=total, saved_U=round(total / unit, 2),
+                             by_dtype_U={k: round(v / unit, 2) for k, v in by_dtype.items()},
+                             allocator_delta_U=round(alloc / unit, 2))
+            print(f"  {name:10s} saved {total / unit:6.2f} U  (allocator: {alloc / unit:6.2f} U)  {out[name]['by_dtype_U']}",
+                  flush=True)
+            del y, layer
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+            print(f"  {name}: FAILED {e}", flush=True)
+    if "saved_U" in out.get("bf16", {}):
+        for name in ("tensorwise", "coat"):
+            if "saved_U" in out.get(name, {}):
+                out[name]["ratio_vs_bf16"] = round(out[name]["saved_bytes"] / out["bf16"]["saved_bytes"], 3)
+                print(f"  {name} / bf16 = {out[name]['ratio_vs_bf16']:.3f}", flush=True)
+    return out
+
+
+def part_linear(args):
+    shapes = {"1.36B": dict(tokens=8192, h=2048, ffn=5632), "7B": dict(tokens=4096, h=4096, ffn=11008)}
+    if SMOKE:
+        shapes = {"1.36B": dict(tokens=64, h=64, ffn=176), "7B": dict(tokens=32, h=128, ffn=352)}
+    anchors = {"1.36B": (3.33, 1.93), "7B": (6.84, 3.72)}
+    out = {}
+    dev = DEV
+    hw = DEV == "cuda"
+    for name, s in shapes.items():
+        t, h, f = s["tokens"], s["h"], s["ffn"]
+        linears = {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 2 * f), "fc2": (f, h)}
+        res = {"bf16_ms": 0.0, "fp8_ms": 0.0, "fp8_given_amax_ms": 0.0, "fp8_gemms_only_ms": 0.0, "per_linear": {}}
+        for lname, (kin, kout) in linears.items():
+            x = torch.randn(t, kin, device=dev, dtype=torch.bfloat16)
+            w = (torch.randn(kout, kin, device=dev) * 0.02).to(torch.bfloat16)
+            g = torch.randn(t, kout, device=dev, dtype=torch.bfloat16)
+            xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+            def bf16():
+                y = torch.nn.functional.linear(xb, wb)
+                y.backward(g)
+
+            wf = w.clone().requires_grad_(True)
+            wf.main_grad = torch.zeros(kout, kin, device=dev)
+            cache = Fp8WeightCache("e4m3")
+            cache.refresh(wf)
+            xf = x.clone().requires_grad_(True)
+            amax = fp8.amax(x)
+
+            def fp8_path(given=False):
+                y = fp8_linear(xf, wf, None, cache, Fp8Recipe(), x_amax=amax if given else None, fuse_wgrad=True,
+                               hw_gemm=hw)
+                y.backward(g)
+
+            qx, qxt, sx = fp8.quantize_tensorwise(x, "e4m3", transpose=True)
+            qg, qgt, sg = fp8.quantize_tensorwise(g, "e5m2", transpose=True)
+
+            def gemms():
+                fp8_gemm(qx, sx, cache.wq, cache.scale, torch.bfloat16, fast_accum=True, hw=hw)
+                fp8_gemm(qg, sg, cache.wqt, cache.scale, torch.bfloat16, hw=hw)
+                fp8_gemm(qgt, sg, qxt, sx, torch.float32, hw=hw)
+
+            per = dict(bf16_ms=bench_us(bf16) / 1000, fp8_ms=bench_us(fp8_path) / 1000,
+                       fp8_given_amax_ms=bench_us(lambda: fp8_path(True)) / 1000,
+                       fp8_gemms_only_ms=bench_us(gemms) / 1000)
+            res["per_linear"][lname] = {k: round(v, 4) for k, v in per.items()}
+            for k2, v in per.items():
+                res[k2] += v
+        for k2 in ("bf16_ms", "fp8_ms", "fp8_given_amax_ms", "fp8_gemms_only_ms"):
+            res[k2] = round(res[k2], 4)
+        res["speedup_fp8"] = round(res["bf16_ms"] / res["fp8_ms"], 3)
+        res["speedup_gemms_only"] = round(res["bf16_ms"] / res["fp8_gemms_only_ms"], 3)
+        res["anchor_bf16_ms"], res["anchor_fp8_ms"] = anchors[name]
+        print(f"  {name}: bf16 {res['bf16_ms']:.2f} ms | fp8 {res['fp8_ms']:.2f} ms (given amax "
+              f"{res['fp8_given_amax_ms']:.2f}) x{res['speedup_fp8']:.2f} | FP8 GEMMs alone "
+              f"{res['fp8_gemms_only_ms']:.2f} ms | anchors {anchors[name]}", flush=True)
+        out[name] = res
+    return out
+
+
+def part_layer(args, deadline):
+    hidden, ffn, heads, seq, mbs = (2048, 5632, 16, 2048, 4) if not SMOKE else (128, 352, 4, 64, 2)
+    out = {"shape": dict(hidden=hidden, ffn=ffn, heads=heads, seq=seq, micro_batch=mbs)}
+    modes = [False, True] if args.compile else [False]
+    for compiled in modes:
+        for name, recipe in RECIPES.items():
+            key = f"{name}{'_compiled' if compiled else '_eager'}"
+            if time.time() > deadline:
+                out[key] = dict(skipped="time budget")
+                continue
+            try:
+                layer, m = _llama_layer(recipe, hidden, ffn, heads, seq, compile_layer=compiled)
+                rope = _rope(m, seq, torch.device(DEV))
+                x = torch.randn(seq, mbs, hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                gy = torch.randn_like(x)
+
+                def step():
+                    refresh_fp8_weights(layer)
+                    layer(x, rope).backward(gy)
+
+                step()
+                _sync()
+                # activation memory held between forward and backward (the allocator's view: works for
+                # compiled layers too, where saved-tensor hooks do not see inside the graph)
+                refresh_fp8_weights(layer)
+                before = _mem()
+                y = layer(x, rope)
+                _sync()
+                held = _mem() - before - y.numel() * y.element_size()
+                y.backward(gy)
+                del y
+                if DEV == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                base = _mem()
+                us = bench_us(step)
+                peak = (torch.cuda.max_memory_allocated() if DEV == "cuda" else 0) - base
+                unit = seq * mbs * hidden * 2
+                out[key] = dict(time_ms=round(us / 1000, 3), peak_extra_gib=round(peak / 2**30, 3),
+                                activations_held_U=round(held / unit, 2))
+                print(f"  {key:22s} {us / 1000:8.3f} ms  peak +{peak / 2**30:.2f} GiB  activations held "
+                      f"{held / unit:.2f} U", flush=True)
+                del layer, x
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+                print(f"  {key}: FAILED {e}", flush=True)
+    for mode in ("eager", "compiled"):
+        b = out.get(f"bf16_{mode}", {})
+        for name in ("tensorwise", "coat"):
+            r = out.get(f"{name}_{mode}", {})
+            if b.get("time_ms") and r.get("time_ms"):
+                r["speedup_vs_bf16"] = round(b["time_ms"] / r["time_ms"], 3)
+            if b.get("activations_held_U") and r.get("activations_held_U") is not None:
+                r["activations_vs_bf16"] = round(r["activations_held_U"] / b["activations_held_U"], 3)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="kernels,saved,linear,layer")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--budget-s", type=float, default=160.0, help="skip remaining layer runs after this")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, measures nothing)")
+    args = ap.parse_args()
+    global DEV, SMOKE
+    if args.smoke:
+        DEV, SMOKE = "cpu", True
+        args.compile = False
+    start = time.time()
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none", parts={})
+    try:
+        import subprocess
+        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        import triton
+        result["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    for part in args.parts.split(","):
+        print(f"== {part}", flush=True)
+        t0 = time.time()
+        try:
+            if part == "kernels":
+                r = part_kernels(args)
+            elif part == "saved":
+                r = part_saved(args)
+            elif part == "linear":
+                r = part_linear(args)
+            elif part == "layer":
+                r = part_layer(args, start + args.budget_s)
+            else:
+                raise ValueError(f"unknown part {part!r}")
+        except Exception as e:  # noqa: BLE001 - record and go on with the other parts
+            r = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
+            print(f"  FAILED: {e}", flush=True)
+        r["seconds"] = round(time.time() - t0, 1)
+        result["parts"][part] = r
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:  # after every part: a later crash keeps what was measured
+            json.dump(result, f, indent=1)
+    print(f"wrote {args.out} ({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
