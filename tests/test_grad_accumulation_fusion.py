@@ -14,10 +14,17 @@ def test_wgrad_accumulate_matches_float64():
     x = torch.randn(3, 7, 40, generator=gen)
     main = torch.randn(24, 40, generator=gen)
     expect = main.double() + g.reshape(-1, 24).double().t() @ x.reshape(-1, 40).double()
-    for fn in (wgrad_accumulate_, wgrad_accumulate_reference):
+    flag = torch.tensor([False])
+    for fn, arg in ((wgrad_accumulate_, flag), (wgrad_accumulate_reference, False)):
         out = main.clone()
-        fn(out, g, x)
+        fn(out, g, x, arg)
         torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+    # overwrite: the stale contents are ignored, and the op clears its flag
+    flag = torch.tensor([True])
+    out = torch.full_like(main, float("nan"))
+    wgrad_accumulate_(out, g, x, flag)
+    torch.testing.assert_close(out.double(), expect - main.double(), rtol=1e-5, atol=1e-5)
+    assert not flag.item()
 
 
 def test_wgrad_accumulate_mixed_dtype_reference():
@@ -26,7 +33,7 @@ def test_wgrad_accumulate_mixed_dtype_reference():
     x = torch.randn(33, 48, generator=gen).bfloat16()
     main = torch.randn(16, 48, generator=gen)
     out = main.clone()
-    wgrad_accumulate_(out, g, x)
+    wgrad_accumulate_(out, g, x, torch.tensor([False]))
     expect = main.double() + g.double().t() @ x.double()
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expect, rtol=2e-2, atol=2e-2)

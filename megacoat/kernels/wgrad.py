@@ -1,7 +1,9 @@
 """Weight-gradient GEMM that accumulates straight into the main gradient (gradient-accumulation fusion).
 
-`wgrad_accumulate_(main_grad, grad_output, inp)` does `main_grad += grad_output^T @ inp` (both flattened
-to 2-D over their leading dims). On CUDA with bf16 operands and an fp32 `main_grad`, cuBLAS reads and
+`wgrad_accumulate_(main_grad, grad_output, inp, overwrite)` does `main_grad += grad_output^T @ inp` (both
+flattened to 2-D over their leading dims), or `main_grad = ...` when the one-element CPU flag `overwrite`
+is set (the first gradient of a step: no zeroing pass over the buffer, and the GEMM does not read the
+stale values); the op clears the flag. On CUDA with bf16 operands and an fp32 `main_grad`, cuBLAS reads and
 writes the fp32 buffer in the GEMM's epilogue (`torch.addmm(..., out_dtype=float32, out=main_grad)`):
 no bf16 gradient tensor, no rounding of the micro-batch gradient to bf16, no separate add pass.
 Elsewhere (CPU, older torch) the reference runs: the GEMM in the operands' dtype, then one add.
@@ -14,10 +16,13 @@ from __future__ import annotations
 import torch
 
 
-def wgrad_accumulate_reference(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor) -> None:
+def wgrad_accumulate_reference(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
+                               overwrite: bool) -> None:
     g = grad_output.reshape(-1, grad_output.shape[-1])
     x = inp.reshape(-1, inp.shape[-1])
-    if main_grad.dtype == g.dtype:
+    if overwrite:
+        torch.mm(g.t(), x, out=main_grad) if main_grad.dtype == g.dtype else main_grad.copy_(torch.mm(g.t(), x))
+    elif main_grad.dtype == g.dtype:
         main_grad.addmm_(g.t(), x)
     else:
         main_grad.add_(torch.mm(g.t(), x))
@@ -29,14 +34,15 @@ class _FusedSupport:
     ok = None
 
 
-def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor) -> bool:
+def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
+                           overwrite: bool) -> bool:
     """The fused CUDA path; False when it is not available (the caller then runs the reference)."""
     if not main_grad.is_cuda or _FusedSupport.ok is False:
         return False
     g = grad_output.reshape(-1, grad_output.shape[-1])
     x = inp.reshape(-1, inp.shape[-1])
     try:
-        torch.addmm(main_grad, g.t(), x, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, g.t(), x, beta=0 if overwrite else 1, out_dtype=main_grad.dtype, out=main_grad)
     except (TypeError, RuntimeError, NotImplementedError):
         _FusedSupport.ok = False  # torch without addmm(out_dtype=...): fall back for the rest of the run
         return False
@@ -44,12 +50,15 @@ def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, i
     return True
 
 
-@torch.library.custom_op("megacoat::wgrad_accumulate_", mutates_args=("main_grad",))
-def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor) -> None:
-    if main_grad.dtype == grad_output.dtype or not wgrad_accumulate_fused(main_grad, grad_output, inp):
-        wgrad_accumulate_reference(main_grad, grad_output, inp)
+@torch.library.custom_op("megacoat::wgrad_accumulate_", mutates_args=("main_grad", "overwrite"))
+def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
+                      overwrite: torch.Tensor) -> None:
+    first = bool(overwrite.item())  # a CPU flag: no device sync
+    if main_grad.dtype == grad_output.dtype or not wgrad_accumulate_fused(main_grad, grad_output, inp, first):
+        wgrad_accumulate_reference(main_grad, grad_output, inp, first)
+    overwrite.fill_(False)
 
 
 @wgrad_accumulate_.register_fake
-def _(main_grad, grad_output, inp) -> None:
+def _(main_grad, grad_output, inp, overwrite) -> None:
     return None

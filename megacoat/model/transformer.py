@@ -67,10 +67,9 @@ class Norm(nn.Module):
 
     def forward(self, x):
         if self.kind == "RMSNorm":
-            # fp32 statistics, output in the input dtype (as Megatron/Llama).
-            xf = x.float()
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return y.to(x.dtype) * self.weight
+            # fp32 statistics, output in the input dtype; torch's fused kernel where it has one (it
+            # saves only the input and rstd for backward, not fp32 copies).
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
         return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
 
 
@@ -111,7 +110,9 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x, x_amax=x_amax).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
         k = qkv[:, :, :, self.q_per_group]
-        v = qkv[:, :, :, self.q_per_group + 1]
+        # A copy, not a view: attention saves v for backward, and a view would keep the whole QKV
+        # output (3x its size) alive until then.
+        v = qkv[:, :, :, self.q_per_group + 1].contiguous()
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

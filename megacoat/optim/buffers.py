@@ -28,17 +28,15 @@ class GradAccumulator:
         self.params = params
         self.on_ready = on_ready
         self._fresh = {id(p) for p in params}
-        # Weights of layers with gradient-accumulation fusion: their weight-gradient GEMM adds into
-        # main_grad itself (their `.grad` is a placeholder), so their main_grad is zeroed per step.
+        # Weights of layers with gradient-accumulation fusion: their weight-gradient GEMM writes
+        # main_grad itself (their `.grad` is a placeholder). Its CPU flag `main_grad_overwrite` (one
+        # element of one tensor, reset per step with one fill) makes the step's first GEMM overwrite.
         self.fused = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]
         self._fused_ids = {id(p) for p in self.fused}
+        self._overwrite = torch.ones(len(self.fused), dtype=torch.bool)
+        for i, p in enumerate(self.fused):
+            p.main_grad_overwrite = self._overwrite[i:i + 1]
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
-        self._zero_fused()
-
-    def _zero_fused(self) -> None:
-        grads = [p.main_grad for p in self.fused]
-        if grads:
-            torch._foreach_zero_(grads)
 
     def _accumulate(self, p: torch.Tensor) -> None:
         if id(p) in self._fused_ids:
@@ -53,10 +51,9 @@ class GradAccumulator:
             self.on_ready(p)
 
     def zero(self) -> None:
-        """Start a new step: the next gradient of every parameter overwrites its main_grad (fused
-        weights: their main_grad is zeroed, the GEMMs add into it)."""
+        """Start a new step: the next gradient of every parameter overwrites its main_grad."""
         self._fresh = {id(p) for p in self.params}
-        self._zero_fused()
+        self._overwrite.fill_(True)
 
     def finalize(self) -> List[nn.Parameter]:
         """After the last backward: zero the main_grad of parameters that got no gradient; return them."""

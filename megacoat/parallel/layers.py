@@ -68,15 +68,17 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 
     Autograd still needs a gradient for the weight so that the optimizer's post-accumulate hook runs
     (it launches overlapped bucket syncs): an uninitialised placeholder is returned, and the hook
-    ignores it because the layer marked the weight with `grad_added_to_main_grad`.
+    ignores it because the layer marked the weight with `grad_added_to_main_grad`. The optimizer's
+    one-element CPU flag `weight.main_grad_overwrite` says that this is the step's first gradient
+    (the GEMM then writes main_grad instead of adding to it).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad):
+    def forward(ctx, x, weight, bias, main_grad, overwrite):
         ctx.save_for_backward(x, weight)
         # Not a saved tensor: other micro-batches' backwards legitimately add into it meanwhile
         # (pipelining, accumulation), which autograd's version check would reject.
-        ctx.main_grad = main_grad
+        ctx.main_grad, ctx.overwrite = main_grad, overwrite
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
@@ -84,9 +86,9 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
-        wgrad_accumulate_(ctx.main_grad, grad_output, x)
+        wgrad_accumulate_(ctx.main_grad, grad_output, x, ctx.overwrite)
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_input, torch.empty_like(weight), grad_bias, None
+        return grad_input, torch.empty_like(weight), grad_bias, None, None
 
 
 def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -94,8 +96,9 @@ def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: O
     """F.linear, with the weight gradient accumulated into `weight.main_grad` when `fuse` and the
     optimizer gave the weight a main gradient (training); plain F.linear otherwise (inference)."""
     main_grad = getattr(weight, "main_grad", None)
-    if fuse and main_grad is not None and weight.requires_grad and torch.is_grad_enabled():
-        return _LinearWithGradAccumulation.apply(x, weight, bias, main_grad)
+    overwrite = getattr(weight, "main_grad_overwrite", None)
+    if fuse and main_grad is not None and overwrite is not None and weight.requires_grad and torch.is_grad_enabled():
+        return _LinearWithGradAccumulation.apply(x, weight, bias, main_grad, overwrite)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,71 @@
+#!/bin/bash
+# Issue 9 evidence on one H200: megacoat bf16 vs the plain-PyTorch peer (1.36B and 7B shapes), peak-memory
+# breakdown, profile, and the fused weight-gradient GEMM check. Runs from a clean export of a commit
+# (SRC, default .), writes under $OUT. Usage: SRC=.snap STAGES=... bash scripts/gpu_substrate.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache   # later runs of the same shapes reuse compiled graphs
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; J=$OUT/results.jsonl
+SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
+STAGES=${STAGES:-wgrad,small,big,mem,profile,eager}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+LOG=$OUT/log.txt
+T0=$(date +%s); el() { echo "(t=$(( $(date +%s) - T0 )) s)"; }
+BUDGET=${BUDGET:-560}  # seconds: stages that would start later are skipped (the device call is limited)
+late() { if [ $(( $(date +%s) - T0 )) -gt $BUDGET ]; then echo "-- skipped $1 (budget)" | tee -a $LOG; return 0; fi; return 1; }
+M1="--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 4 --global-batch-size 4"
+M7="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --micro-batch-size 2 --global-batch-size 2"
+C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 32000 --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 5 --eval-interval 0 --eval-iters 0 --untie-embeddings-and-output-weights --bf16"
+mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
+  timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
+    | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory" | cut -c1-600 | tee -a $LOG
+  python3 -c "import json,sys; r=[json.loads(l) for l in open('/tmp/$name.jsonl')]; r=r[-1]; r['run']='megacoat $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
+peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee -a $LOG
+  timeout ${TMO:-200} python3 benchmarks/peer_plain_llama.py "$@" --json /tmp/p.jsonl 2>&1 | tail -1 | tee -a $LOG
+  tail -1 /tmp/p.jsonl | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['run']='peer $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
+{ date -u; cat COMMIT 2>/dev/null; git -C "$HERE" log -1 --oneline 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
+if has wgrad; then echo "== fused wgrad GEMM check $(el)" | tee -a $LOG
+python3 - <<'PY' 2>&1 | tee -a $LOG
+import torch, time
+from megacoat.kernels.wgrad import wgrad_accumulate_, wgrad_accumulate_reference, _FusedSupport
+for (n, o, i) in [(8192, 2048, 5632), (8192, 11264, 2048), (4096, 4096, 11008)]:
+    g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16); x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(o, i, device="cuda")
+    a = base.clone(); wgrad_accumulate_(a, g, x); b = base.clone(); wgrad_accumulate_reference(b, g, x)
+    exact = base.double() + g.double().t() @ x.double()
+    def t(fn):
+        m = base.clone(); fn(m, g, x); torch.cuda.synchronize(); s = time.perf_counter()
+        for _ in range(20): fn(m, g, x)
+        torch.cuda.synchronize(); return (time.perf_counter() - s) / 20 * 1e3
+    print(f"wgrad {n}x{o}x{i}: fused supported={_FusedSupport.ok} err fused {(a.double()-exact).abs().max().item():.3e} "
+          f"reference {(b.double()-exact).abs().max().item():.3e} | ms fused {t(wgrad_accumulate_):.3f} reference(mm+add) {t(wgrad_accumulate_reference):.3f} "
+          f"| TFLOP/s fused {2*n*o*i/t(wgrad_accumulate_)/1e9:.0f}")
+PY
+fi
+if has mem && ! late mem; then echo "== memory breakdown 7B $(el)" | tee -a $LOG
+  timeout 200 python3 benchmarks/memory_peak.py $C $M7 --train-iters 5 --record-steps 1 --out $OUT/memory_7b.txt 2>&1 | grep -v "^  [a-z_0-9]* \.\." | tail -30 | tee -a $LOG
+fi
+if has big; then
+  mc b7_compiled 12 $M7
+  peer p7_compiled --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 --compile --iters 6 --warmup 5
+  mc b7_bf16grad 12 $M7 --grad-reduce-in-bf16
+fi
+if has small; then
+  mc b1_compiled 20 $M1
+  peer p1_compiled --compile --iters 10 --warmup 8
+  mc b1_bf16grad 20 $M1 --grad-reduce-in-bf16
+fi
+if has eager; then
+  mc b1_eager 15 $M1 --no-torch-compile
+  peer p1_eager --iters 8 --warmup 4
+fi
+if has profile && ! late profile; then echo "== profile 1.36B compiled $(el)" | tee -a $LOG
+  timeout 150 python3 benchmarks/profile_step.py $C $M1 --train-iters 20 --log-interval 100 --profile-steps 3 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -40 > $OUT/profile_1b.txt
+fi
+if has before && ! late before && [ -d "$HERE/.before" ]; then echo "== BEFORE (previous commit) memory breakdown 7B $(el)" | tee -a $LOG
+  cp benchmarks/memory_peak.py "$HERE/.before/benchmarks/"; cd "$HERE/.before"; export PYTHONPATH=$PWD
+  timeout 200 python3 benchmarks/memory_peak.py $C $M7 --train-iters 5 --record-steps 1 --out $OUT/memory_7b_before.txt 2>&1 | grep -v "^  [a-z_0-9]* \.\." | tail -30 | tee -a $LOG
+fi
+echo "done $(el)" | tee -a $LOG
