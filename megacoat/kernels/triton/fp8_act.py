@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .fp8_quant import quantize_groups_store
 
-GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); globals in jit code must be constexpr
 
 
 @triton.jit
