@@ -1,6 +1,7 @@
 """A small GPT trained through the ZeRO optimizer with SDP4Bit's strategy (qWD and/or TLq-HS) tracks
 the plain strategy; the ablations (direct weight quantization, 4 bits at both gradient levels) are
 worse; TP=2 x DP=2 and PP=2 x DP=2 work (DP replicas bit-identical, losses close to plain)."""
+import gc
 import json
 
 import torch
@@ -69,6 +70,11 @@ def _train(rank, world, tp, pp, rpn, names, steps, out_path):
     if ctx.is_last_rank:
         with open(out_path, "w") as f:
             json.dump(losses, f)
+    # Drop every object holding process groups before the harness destroys them: a gloo group
+    # destructed at interpreter exit can abort the process ("terminate called without an active exception").
+    dist.barrier()
+    del model, chunks, opt, comm, sched, ctx
+    gc.collect()
 
 
 def _gaps(path):

@@ -103,19 +103,26 @@ class SDP4BitComm:
         self._next_round("grad", bucket)
         for kind, n in self.grad_wire_bytes(S).items():
             self.stats.add(kind, n)
+        chain = self._reduce_chain(bucket_grad, shard_out, bucket)
         if not bucket_grad.is_cuda:
-            self._reduce_chain(bucket_grad, shard_out, bucket)
-            return Pending()
+            # gloo waits block the host: only the first hop is issued now, the rest runs in wait()
+            # (a blocking wait inside a backward hook could stall a pipeline peer).
+            next(chain, None)
+            if not async_op:
+                _drain(chain)
+                return Pending()
+            return Pending(finish=lambda: _drain(chain))
         current = torch.cuda.current_stream(bucket_grad.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(bucket_grad.device)
         side = self._stream
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._reduce_chain(bucket_grad, shard_out, bucket)
+        with torch.cuda.stream(side):  # NCCL waits are stream waits: the whole chain is queued now
+            _drain(chain)
         return Pending(finish=lambda: current.wait_stream(side))
 
-    def _reduce_chain(self, grad: torch.Tensor, shard_out: torch.Tensor, bucket: int) -> None:
+    def _reduce_chain(self, grad: torch.Tensor, shard_out: torch.Tensor, bucket: int):
+        """A generator: pauses once, after the first hop's collectives are issued."""
         c = self.cfg
         L, N, S = self.local_size, self.nodes, shard_out.numel()
         had = bool(c.hadamard_transform)
@@ -132,6 +139,7 @@ class SDP4BitComm:
                 send = torch.empty(L, codecs.message_bytes(N * sl, b1, g1), dtype=torch.uint8, device=dev)
                 codecs.encode_partitioned(grad, send, S, off, sl, L, N, b1, g1, had, self._key("grad", bucket, k, 1))
                 first.append(self._all_to_all(send, self.intra_group, "grad_intra"))
+            yield
             second = []
             for k, (off, sl) in enumerate(slices):
                 work, recv = first[k]
@@ -153,6 +161,7 @@ class SDP4BitComm:
             codecs.encode_partitioned(grad, send, S, off, sl, self.dp, 1, bits, group, had,
                                       self._key("grad", bucket, k, 1))
             hops.append(self._all_to_all(send, grp, kind))
+        yield
         for (off, sl), (work, recv) in zip(slices, hops):
             work.wait()
             codecs.reduce_decode(recv, shard_out[off: off + sl], sl, bits, group, had, out_scale)
@@ -215,6 +224,11 @@ class SDP4BitComm:
         work = dist.all_gather_into_tensor(recv, msg, group=self.group, async_op=async_op)
         return Pending([work], lambda: codecs.apply_delta(recv.view(self.dp, -1), bucket_param, bits, G,
                                                           c.quantize_weights_directly))
+
+
+def _drain(gen) -> None:
+    for _ in gen:
+        pass
 
 
 def build_comm(cfg, ctx, stats: CommStats, seed: int) -> Optional[SDP4BitComm]:
