@@ -76,18 +76,32 @@ def test_killed_during_save_keeps_previous_checkpoint(tmp_path, point):
                                         "latest_checkpointed_iteration.txt"]  # no partial directory left
 
 
+def _tracker_version(save):
+    """Identity of the tracker file's current version (it is replaced by rename at every save)."""
+    try:
+        st = os.stat(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def test_sigkill_at_random_moments(tmp_path):
-    """A real kill at arbitrary times while a larger model saves every iteration."""
+    """A real kill at arbitrary times while a larger model saves every iteration. Each kill lands
+    after the run being killed has itself completed a save (the second run starts from scratch, so
+    it re-saves iterations that exist: the directory swap is killed too)."""
     save = str(tmp_path / "ckpt")
     args = ARGS + ["--hidden-size", "256", "--num-layers", "4", "--train-iters", "1000", "--save", save,
                    "--save-interval", "1", "--log-interval", "1000"]
-    for delay in (2.6, 3.3):
+    for delay in (0.6, 1.3):
+        before = _tracker_version(save)
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + args, env=_env(), cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")) and time.time() < deadline:
+        deadline = time.time() + 90
+        while _tracker_version(save) in (None, before) and time.time() < deadline:  # this run's first save
             time.sleep(0.05)
-        time.sleep(delay - 2.0)
+        assert _tracker_version(save) not in (None, before), "the run made no checkpoint in 90 s"
+        time.sleep(delay)
+        assert p.poll() is None, "the run ended before it was killed"
         p.send_signal(signal.SIGKILL)
         p.wait()
         path = resolve_checkpoint_dir(save)
@@ -95,3 +109,4 @@ def test_sigkill_at_random_moments(tmp_path):
         for name in reader.names():  # every tensor complete and checksummed
             reader.canonical("model", name)
             reader.canonical("optim.exp_avg", name)
+        reader.close()

@@ -1,7 +1,10 @@
 """TP=2/4 with and without sequence parallelism equal TP=1 (losses and gradients, fp32)."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from dist_utils import run_distributed
 from megacoat.parallel.context import ParallelContext
@@ -27,7 +30,7 @@ def _tp_vs_single(rank, world, tp, sp, model_kw, steps, device_type="cpu"):
         ref_loss = run_step(ref_model, ref_opt, glob, dp * n_micro)
         assert abs(loss.item() - ref_loss) <= 2e-5 * abs(ref_loss), (step, loss.item(), ref_loss)
         opt._sync_sequence_parallel_grads()
-        opt.comm.reduce_grads(opt.grad_buffer.data)
+        [opt.comm.reduce_grads(b) for b in opt.grad_buffer.buckets]
         grads, ref = full_grads(model, ctx), full_grads(ref_model, ParallelContext.single(device))
         for name, g in ref.items():
             got, want = trim_vocab(name, grads[name]), trim_vocab(name, g)
@@ -67,27 +70,90 @@ def test_tp2_dp2():
     run_distributed(_tp_vs_single, 4, 2, True, {}, 2)
 
 
+class DropoutMasks:
+    """Records the dropout masks the model really uses, by wrapping torch's functions.
+
+    Attention dropout happens inside SDPA, where the mask is not visible: before each real call the
+    wrapper runs SDPA once more from the same RNG state on probe inputs (q = k = 0, v = identity) whose
+    output is nonzero exactly where the mask keeps a weight, then restores the state, so the real call
+    draws the same mask. `check` recomputes attention by hand with that mask and compares it with
+    SDPA's real output, so the recorded masks are proven to be the ones used."""
+
+    def __init__(self, monkeypatch):
+        self.attention, self.hidden = [], []
+        real_sdpa, real_dropout = F.scaled_dot_product_attention, F.dropout
+
+        def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+            if dropout_p == 0.0:
+                return real_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+            s, d = q.shape[-2], q.shape[-1]
+            assert d >= s, "the probe needs head_dim >= seq_length"
+            state = torch.get_rng_state()
+            probe_v = torch.zeros_like(v)
+            probe_v[..., :s] = torch.eye(s)
+            probe = real_sdpa(torch.zeros_like(q), torch.zeros_like(k), probe_v, attn_mask=attn_mask,
+                              dropout_p=dropout_p, is_causal=is_causal, **kw)
+            torch.set_rng_state(state)
+            out = real_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+            keep = probe[..., :s] != 0
+            weights = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
+                ~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")), dim=-1)
+            manual = (weights * keep / (1 - dropout_p)) @ v
+            torch.testing.assert_close(out, manual, rtol=1e-4, atol=1e-5)  # the recorded mask is the real one
+            self.attention.append(keep.detach())
+            return out
+
+        def dropout(x, p=0.5, training=True, inplace=False):
+            out = real_dropout(x, p, training, inplace)
+            if training and p > 0:
+                self.hidden.append((out == 0).detach())
+            return out
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        monkeypatch.setattr(F, "dropout", dropout)
+
+
+def _gather(t, ctx):
+    parts = [torch.empty_like(t) for _ in range(ctx.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
+    return parts
+
+
 def _dropout_streams(rank, world, sp):
     from parallel_harness import VOCAB
+    monkeypatch = pytest.MonkeyPatch()
+    masks = DropoutMasks(monkeypatch)
     m = small_model_config(attention_dropout=0.2, hidden_dropout=0.2)
     ctx = ParallelContext.build(2, 1, torch.device("cpu"))
     model, _ = build(m, ctx, sp)
     model.train()
     tokens = torch.randint(0, VOCAB, (2, m.seq_length + 1), generator=torch.Generator().manual_seed(0))
     loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    monkeypatch.undo()
     # Replicated activations got the same hidden-dropout mask on both TP ranks (default stream,
     # or the model-parallel stream on disjoint sequence shards under SP): the losses agree.
     other = loss.clone()
     dist.broadcast(other, src=0, group=ctx.tp_group)
     assert torch.equal(loss, other)
-    # Dropout changes the result (it is on) ...
     model.eval()
-    assert not torch.equal(loss, model(tokens[:, :-1], labels=tokens[:, 1:]))
-    # ... and attention heads on different TP ranks draw from different model-parallel streams.
-    state = model.lc.rng.states["model-parallel"].clone()
-    states = [torch.empty_like(state) for _ in range(2)]
-    dist.all_gather(states, state, group=ctx.tp_group)
-    assert not torch.equal(states[0], states[1])
+    assert not torch.equal(loss, model(tokens[:, :-1], labels=tokens[:, 1:]))  # dropout is on
+    causal = torch.ones(m.seq_length, m.seq_length, dtype=torch.bool).tril()
+    assert len(masks.attention) == m.num_layers
+    for keep in masks.attention:  # [batch, local heads, s, s]: every mask drops about p of the weights
+        dropped = 1 - keep[..., causal].float().mean().item()
+        assert 0.1 < dropped < 0.3, dropped
+        # Heads on different TP ranks draw from different model-parallel streams: different masks.
+        theirs = _gather(keep.to(torch.uint8), ctx)
+        assert not torch.equal(theirs[0], theirs[1])
+    # Hidden dropout: the embedding and both residual dropouts of every layer.
+    assert len(masks.hidden) == 1 + 2 * m.num_layers
+    for drop in masks.hidden:
+        assert 0.1 < drop.float().mean().item() < 0.3
+        theirs = _gather(drop.to(torch.uint8), ctx)
+        if sp:  # different sequence shards: the model-parallel stream, different masks
+            assert not torch.equal(theirs[0], theirs[1])
+        else:  # the same replicated activation: the default stream, the same mask on every TP rank
+            assert torch.equal(theirs[0], theirs[1])
 
 
 @pytest.mark.parametrize("sp", [False, True])

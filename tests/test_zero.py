@@ -139,6 +139,7 @@ def _bf16_grads(rank, world):
         ctx = ParallelContext.build(1, 1, torch.device("cpu"))
         model, opt = build(m, ctx, False, lr=1e-3, zero=ZeroOptions(bucket_size=3000, grad_dtype=grad_dtype,
                                                                      overlap_grad_reduce=True))
+        init = {k: v.clone() for k, v in model.state_dict().items()}
         for step in range(2):
             glob = batches(step, world * 2, 2, m.seq_length)
             run_step(model, opt, glob[rank * 2:(rank + 1) * 2], 2)
@@ -146,12 +147,18 @@ def _bf16_grads(rank, world):
         assert opt.memory_report()["grads"] == pytest.approx(
             opt.buffer.grad_data.numel() * (4 if grad_dtype == torch.float32 else 2) / sum(
                 p.numel() for p in model.parameters()))
+        opt.finish_param_sync()
         runs.append({k: v.clone() for k, v in model.state_dict().items()})
-    for k in runs[0]:
-        # bf16 gradients change Adam's update only where a gradient is tiny (its sign can flip):
-        # never more than 2 steps x 2 x lr anywhere, and negligible on average.
-        diff = (runs[1][k] - runs[0][k]).abs()
-        assert diff.max() <= 4e-3 and diff.mean() <= 2e-5, (k, diff.max().item(), diff.mean().item())
+    # bf16 gradients change Adam's update only where the reduced gradient is tiny next to the ranks'
+    # contributions (its bf16 sum can change sign). 2 steps of Adam at lr 1e-3 can move a weight by
+    # at most ~2e-3, so two runs can differ by ~4e-3 anywhere: the bounds must be far tighter than
+    # that to mean anything (measured on CPU: 0.5% of the update, 0.08% of the weights > 1e-4, max 6e-4).
+    diff = torch.cat([(runs[1][k] - runs[0][k]).flatten() for k in runs[0]])
+    update = torch.cat([(runs[0][k] - init[k]).flatten() for k in runs[0]])
+    assert update.abs().max() > 1e-3  # the runs did train
+    assert diff.norm() <= 0.03 * update.norm(), (diff.norm().item(), update.norm().item())
+    assert (diff.abs() > 1e-4).float().mean() <= 0.01
+    assert diff.abs().max() <= 2e-3  # half the largest possible difference
 
 
 def test_grad_reduce_in_bf16_trains_like_fp32():
