@@ -140,3 +140,32 @@ def test_exit_duration_clock_starts_with_the_process():
     assert t.checkpointer.start_time <= before  # start-up work (imports, build, data) counts
     assert time.time() - t.checkpointer.start_time < 3600
     assert abs(process_start_time() - t.checkpointer.start_time) < 1e-6
+
+
+@pytest.mark.gpu
+def test_step_bookkeeping_never_waits_for_the_gpu():
+    """Counting skipped/NaN steps and summing the log's figures stay on the device: no host sync per
+    step (torch raises on any synchronising call in sync-debug mode 'error')."""
+    from megacoat.parallel.context import ParallelContext
+    from megacoat.training.log import IterationLogger
+    from megacoat.training.trainer import TrainState
+
+    dev = torch.device("cuda")
+    cfg = parse_args(COMMON + ["--train-iters", "10"])
+    logger = IterationLogger(cfg, ParallelContext.single(dev), dev, "bf16", None, stream=open(os.devnull, "w"))
+    state = TrainState()
+    recs = [StepRecord(i, 1e-3, torch.tensor(2.0 + i, device=dev), torch.tensor(v, device=dev),
+                       torch.tensor(ok, device=dev))
+            for i, (v, ok) in enumerate([(1.0, True), (float("nan"), False), (float("inf"), False)])]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for rec in recs:
+            logger.record_step(rec, {})
+            state.count_step(rec)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    state.resolve_counters()
+    assert (state.skipped_iters, state.nan_iters) == (2, 1)
+    loss, norm, good, skipped, nan = logger._sums.tolist()
+    assert (loss, norm, good, skipped, nan) == (2.0, 1.0, 1.0, 2.0, 1.0)
