@@ -135,7 +135,8 @@ def test_fp8_linear_on_gpu(shape):
     s, b, k, n = shape
     x = _data((s, b, k), 13).requires_grad_(True)
     w = _data((n, k), 14, 0.02).requires_grad_(True)
-    w.main_grad = torch.zeros(n, k, device=DEV)
+    w.main_grad = torch.full((n, k), float("nan"), device=DEV)  # overwritten: the step's first gradient
+    w.main_grad_overwrite = torch.ones(1, dtype=torch.bool)
     y = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), Fp8Recipe(), fuse_wgrad=True)
     g = _data(y.shape, 15)
     y.backward(g)

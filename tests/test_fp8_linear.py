@@ -80,22 +80,32 @@ def test_coat_and_tensorwise_give_identical_numbers_but_save_different_tensors()
         assert torch.equal(a, b)
 
 
-def test_wgrad_accumulates_into_main_grad():
+def test_wgrad_writes_then_accumulates_into_main_grad():
+    """The optimizer's flag marks the step's first gradient: that GEMM overwrites main_grad (stale values
+    are never read), the next micro-batches add; the flag is cleared."""
     x1, x2 = _data((8, 32), 10), _data((8, 32), 11)
     w = _data((16, 32), 12).requires_grad_(True)
     g1, g2 = _data((8, 16), 13), _data((8, 16), 14)
-    init = torch.randn(16, 32)
-    w.main_grad = init.clone()
+    w.main_grad = torch.full((16, 32), float("nan"))  # stale garbage from the previous step
+    w.main_grad_overwrite = torch.ones(1, dtype=torch.bool)
     cache = Fp8WeightCache("e4m3")
     for x, g in ((x1, g1), (x2, g2)):
         fp8_linear(x, w, None, cache, COAT, fuse_wgrad=True).backward(g)
-    expect = init.double()
+        assert not w.main_grad_overwrite.item()
+    expect = 0
     for x, g in ((x1, g1), (x2, g2)):
         qg, _, sg = fp8.quantize_tensorwise(g, "e5m2")
         qx, _, sx = fp8.quantize_tensorwise(x, "e4m3")
         expect = expect + (qg.double() * sg.double()).t() @ (qx.double() * sx.double())
     assert w.main_grad.dtype == torch.float32
     assert torch.allclose(w.main_grad.double(), expect, rtol=1e-5, atol=1e-5)
+    assert w.grad is not None  # a placeholder: the optimizer's hook still fires (and ignores it)
+    w.main_grad_overwrite.fill_(True)  # next step
+    fp8_linear(x1, w, None, cache, COAT, fuse_wgrad=True).backward(g1)
+    qg, _, sg = fp8.quantize_tensorwise(g1, "e5m2")
+    qx, _, sx = fp8.quantize_tensorwise(x1, "e4m3")
+    assert torch.allclose(w.main_grad.double(), (qg.double() * sg.double()).t() @ (qx.double() * sx.double()),
+                          rtol=1e-5, atol=1e-5)
 
 
 def test_weight_cache_made_once_and_refreshed_when_the_weight_changes():

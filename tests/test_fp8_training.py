@@ -2,6 +2,9 @@
 PP=2 (ZeRO with overlap, gradient accumulation) track TP=1 of the same recipe; checkpoints move between
 coat and bf16."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ from megacoat.parallel.random import seed_everything
 from megacoat.precision.linear import invalidate_fp8_weights
 from megacoat.precision.recipe import Fp8Recipe
 from parallel_harness import VOCAB, batches, run_step, small_model_config
-from test_cli import TINY, run_cli
+from dist_utils import run_distributed
+from test_cli import ROOT, TINY, _env, run_cli
 
 STEPS = 32
 # Largest per-step |loss - fp32 loss| allowed over STEPS steps. Observed (h 64, 2 layers, seq 32):
@@ -91,9 +95,56 @@ def test_cli_checkpoint_coat_to_bf16_and_back(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli(COMMON + ["--fp8-recipe", "coat", "--load", bf16_ckpt, "--log-json", str(tmp_path / "c.jsonl")])
     assert r.returncode == 0, r.stderr[-3000:]
+    # tools/generate.py samples from the coat checkpoint (plain bf16 weights: nothing FP8 is stored)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", coat_ckpt, "--prompt",
+                        "5 7 9", "--max-new-tokens", "3", "--greedy"], capture_output=True, text=True, timeout=120,
+                       env=_env(), cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["5", "7", "9"], r.stderr[-2000:]
     ref = _losses(full)
     got = _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") + _losses(tmp_path / "c.jsonl")
     assert len(got) == len(ref) == 6
     assert got[:3] == ref[:3]  # same recipe, same seed: identical before the switch
     for a, b in zip(ref[3:], got[3:]):
         assert abs(a - b) <= 0.02, (ref, got)  # bf16 steps 4-5 then coat step 6 track the all-coat run
+
+
+def _compiled_layer_equals_eager(rank, world, tp, sp):
+    """A coat/tensorwise layer under torch.compile(fullgraph=True): no graph break (the FP8 ops are opaque
+    custom ops, the FP8 linear an autograd function dynamo traces, the SP gather of FP8 codes included)
+    and the same numbers as eager (aot_eager: same kernels, so bit-identical)."""
+    from megacoat.model.rope import RotaryEmbedding
+    from megacoat.model.transformer import TransformerLayer
+    from megacoat.precision.linear import refresh_fp8_weights
+
+    ctx = ParallelContext.build(tp, 1, torch.device("cpu"))
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176)
+    for recipe in (Fp8Recipe(), Fp8Recipe(fp8_activations=False)):
+        rng = seed_everything(3, ctx.tp_rank, ctx.device)
+        layer = TransformerLayer(m, LayerContext(ctx.tp_group, sp, rng, torch.bfloat16, ctx.device, 3, fp8=recipe), 0)
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape)
+            p.main_grad_overwrite = torch.ones(1, dtype=torch.bool)
+        refresh_fp8_weights(layer)
+        rope = RotaryEmbedding(m.kv_channels, 32, m.rotary_base)(torch.arange(32).unsqueeze(0), torch.bfloat16)
+        s = 32 // tp if sp else 32
+        x = torch.randn(s, 2, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).requires_grad_(True)
+        outs = []
+        for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+            x.grad = None
+            for p in layer.parameters():
+                p.main_grad.fill_(float("nan"))  # stale: the fused wgrad must overwrite it
+                p.main_grad_overwrite.fill_(True)
+            y = fn(x, rope)
+            y.float().pow(2).sum().backward()
+            outs.append((y.detach(), x.grad.clone(), layer.mlp.fc1.weight.main_grad.clone()))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), recipe.name
+
+
+def test_compiled_fp8_layer_fullgraph_equals_eager():
+    _compiled_layer_equals_eager(0, 1, 1, False)
+
+
+@pytest.mark.slow
+def test_compiled_fp8_layer_tp2_sp_fullgraph_equals_eager():
+    run_distributed(_compiled_layer_equals_eager, 2, 2, True)

@@ -3,8 +3,9 @@ per-tensor scaling.
 
 - Forward `y = x W^T`: x and W per-tensor E4M3, output bf16 (plus bias).
 - dgrad `dx = g W`: g per-tensor E5M2 (hybrid) or E4M3, W^T from the weight cache.
-- wgrad `dW = g^T x`: the transposed FP8 copies of g and x; the fp32 result is added straight into
-  `weight.main_grad` (the optimizer's gradient buffer) when the layer fuses gradient accumulation.
+- wgrad `dW = g^T x`: the transposed FP8 copies of g and x; with gradient-accumulation fusion the fp32
+  result goes straight into `weight.main_grad` (the optimizer's gradient buffer): written by the GEMM
+  itself on the step's first micro-batch (the optimizer's `main_grad_overwrite` flag), added after.
 
 GEMMs run through `torch._scaled_mm` on sm_89+ GPUs when every dim is a multiple of 16; otherwise
 (CPU, odd shapes, older GPUs) through an exact emulation: the same FP8 codes and scales,
@@ -80,6 +81,34 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tens
     return fp8_gemm_reference(a, sa, bt, sb, out_dtype)
 
 
+@torch.library.custom_op("megacoat::fp8_wgrad_", mutates_args=("main_grad", "overwrite"))
+def fp8_wgrad_(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
+               overwrite: torch.Tensor, hw: bool) -> None:
+    """main_grad (+)= (gqt * sg) @ (xqt * sx)^T in fp32. The one-element CPU flag `overwrite` (the
+    optimizer's: this is the step's first gradient) makes the GEMM write main_grad straight from its
+    epilogue (`_scaled_mm(out=)`: no temporary, no stale read); later micro-batches add. Clears the flag.
+    A custom op: compiled backward graphs keep it whole and do not trace the flag's host read."""
+    first = bool(overwrite.item())  # CPU tensor: no device sync
+    shape = main_grad.shape
+    mg = main_grad.view(gqt.shape[0], xqt.shape[0])
+    if first and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw):
+        torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
+                         out_dtype=torch.float32, out=mg)
+    else:
+        dw = fp8_gemm(gqt, sg, xqt, sx, torch.float32, hw=hw)
+        if first:
+            mg.copy_(dw)
+        else:
+            mg.add_(dw)
+    assert main_grad.shape == shape
+    overwrite.fill_(False)
+
+
+@fp8_wgrad_.register_fake
+def _(main_grad, gqt, sg, xqt, sx, overwrite, hw) -> None:
+    return None
+
+
 # ----------------------------------------------------------------------------- weight cache
 class Fp8WeightCache:
     """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed."""
@@ -148,7 +177,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x_amax, weight, bias, wq, wqt, w_scale, main_grad, opts: _Opts):
+    def forward(ctx, x, x_amax, weight, bias, wq, wqt, w_scale, main_grad, overwrite, opts: _Opts):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         amax = fp8.amax(x2) if x_amax is None else x_amax.float()
@@ -170,7 +199,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
         # under SP, as Megatron saves it).
         ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, wqt, w_scale)
-        ctx.main_grad = main_grad  # not saved: other micro-batches add into it meanwhile
+        # Not saved tensors: other micro-batches write into them between this forward and its backward.
+        ctx.main_grad, ctx.overwrite = main_grad, overwrite
         ctx.opts, ctx.has_bias, ctx.in_shape = opts, bias is not None, x.shape
         ctx.w_meta = (weight.shape, weight.dtype)
         return y.view(*lead, y.shape[-1])
@@ -192,13 +222,12 @@ class _Fp8LinearFn(torch.autograd.Function):
             _, xqt = fp8.cast_tensorwise(x_saved, sx, opts.fwd_fmt, True)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
-            dw32 = fp8_gemm(gqt, sg, xqt, sx, torch.float32, hw=opts.hw_gemm)
-            ctx.main_grad.add_(dw32.view(w_shape))
+            fp8_wgrad_(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm)
             dw = torch.empty(w_shape, dtype=w_dtype, device=g.device)  # placeholder: the hook ignores it
         else:
             dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm).view(w_shape)
         db = g2.sum(0) if ctx.has_bias else None
-        return dx, None, dw, db, None, None, None, None, None
+        return dx, None, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
@@ -211,12 +240,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if hw_gemm is None:
         hw_gemm = device_has_fp8_gemm(x.device)
     main_grad = getattr(weight, "main_grad", None)
-    fuse = fuse_wgrad and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
+    overwrite = getattr(weight, "main_grad_overwrite", None)  # the optimizer's first-gradient-of-the-step flag
+    fuse = (fuse_wgrad and main_grad is not None and overwrite is not None and weight.requires_grad
+            and torch.is_grad_enabled())
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
     opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm)
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
-                              main_grad if fuse else None, opts)
+                              main_grad if fuse else None, overwrite if fuse else None, opts)
 
 
 # ----------------------------------------------------------------------------- module plumbing
