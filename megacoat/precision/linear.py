@@ -91,10 +91,15 @@ def fp8_wgrad_(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt
     first = bool(overwrite.item())  # CPU tensor: no device sync
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
+    written = False
     if first and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw):
-        torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
-                         out_dtype=torch.float32, out=mg)
-    else:
+        try:
+            torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
+                             out_dtype=torch.float32, out=mg)
+            written = True
+        except (TypeError, RuntimeError):  # a torch without the out= variant: temporary + copy below
+            written = False
+    if not written:
         dw = fp8_gemm(gqt, sg, xqt, sx, torch.float32, hw=hw)
         if first:
             mg.copy_(dw)
