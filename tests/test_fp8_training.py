@@ -69,6 +69,7 @@ def test_cli_coat_tp2_sp_and_pp2_zero_track_tp1(tmp_path):
         path = tmp_path / f"{name}.jsonl"
         r = run_cli(COMMON + ["--fp8-recipe", "coat", "--log-json", str(path)] + extra, nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "precision: fp8 (hybrid, coat)" in r.stdout  # the iteration line names the recipe (CPU: no MFU)
         runs[name] = _losses(path)
         assert len(runs[name]) == 6
     # PP only re-orders the same computation: equal to round-off. TP quantizes each weight shard with

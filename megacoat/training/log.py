@@ -158,6 +158,8 @@ class IterationLogger:
             ]
             if self.peak:
                 parts.append(f"MFU: {100 * tflops / self.peak:.1f}% (of {self.peak:.0f} TFLOP/s {self.precision} peak)")
+            elif self.precision.startswith("fp8"):  # no peak known (CPU): still say which FP8 recipe runs
+                parts.append(f"precision: {self.precision}")
             mem_name = "peak allocated (GiB)" if self.device.type == "cuda" else "max RSS (GiB)"
             parts.append(f"{mem_name}: {mem:.2f}")
             if any(comm.values()):  # kinds: grad, param; SDP4Bit splits grad into grad_intra / grad_inter
