@@ -1,6 +1,6 @@
 """Training under --fp8-format hybrid with both recipes: a small GPT tracks fp32 on CPU; TP=2 (+SP) and
-PP=2 (ZeRO with overlap, gradient accumulation) track TP=1 of the same recipe; checkpoints move between
-coat and bf16."""
+PP=2 (1F1B with ZeRO and both overlaps; interleaved), all with gradient accumulation, track TP=1 of the
+same recipe; checkpoints move between coat and bf16; compiled FP8 layers have no graph break."""
 import json
 import os
 import subprocess
@@ -65,17 +65,21 @@ def test_cli_coat_tp2_sp_and_pp2_zero_track_tp1(tmp_path):
             ("tp1", 1, []),
             ("tp2sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             ("pp2zero", 2, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                            "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"])):
+                            "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]),
+            ("pp2interleaved", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                   "1"])):
         path = tmp_path / f"{name}.jsonl"
-        r = run_cli(COMMON + ["--fp8-recipe", "coat", "--log-json", str(path)] + extra, nproc=nproc)
+        r = run_cli(COMMON + ["--num-layers", "4", "--fp8-recipe", "coat", "--log-json", str(path)] + extra,
+                    nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "precision: fp8 (hybrid, coat)" in r.stdout  # the iteration line names the recipe (CPU: no MFU)
         runs[name] = _losses(path)
         assert len(runs[name]) == 6
     # PP only re-orders the same computation: equal to round-off. TP quantizes each weight shard with
     # its own scale (and SP gathers FP8 with a shared one): tracks within FP8 noise.
-    for a, b in zip(runs["tp1"], runs["pp2zero"]):
-        assert abs(a - b) <= 1e-3 * abs(a), runs
+    for pp_run in ("pp2zero", "pp2interleaved"):
+        for a, b in zip(runs["tp1"], runs[pp_run]):
+            assert abs(a - b) <= 1e-3 * abs(a), runs
     for a, b in zip(runs["tp1"], runs["tp2sp"]):
         assert abs(a - b) <= 0.02, runs
 
