@@ -75,10 +75,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--float8", choices=["tensorwise", "rowwise"], default=None,
+                    help="torchao float8 training of the block linears (output layer stays bf16), as DESIGN.md section 8")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = Llama(a.vocab, a.hidden, a.layers, a.heads, a.ffn, a.seq).to(dev)
+    if a.float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(a.float8),
+                                   module_filter_fn=lambda mod, fqn: fqn != "out")
     if a.compile:
         for blk in model.blocks:
             blk.compile()
@@ -101,7 +107,8 @@ def main():
     tok_s = a.mbs * a.seq / dt
     matmul = a.layers * (4 * a.hidden ** 2 + 3 * a.hidden * a.ffn) + a.vocab * a.hidden
     flops_tok = 6 * matmul + 6 * a.seq * a.hidden * a.layers
-    res = dict(run="peer plain PyTorch" + (" + compile" if a.compile else " eager"), params=n_params,
+    res = dict(run="peer plain PyTorch" + (f" + torchao float8 {a.float8}" if a.float8 else "")
+               + (" + compile" if a.compile else " eager"), params=n_params,
                tokens_per_s=tok_s, tflops=flops_tok * tok_s / 1e12, step_ms=dt * 1e3,
                peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item())
     print(json.dumps(res))

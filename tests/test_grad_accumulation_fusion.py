@@ -1,4 +1,5 @@
 """Gradient-accumulation fusion: the weight-gradient GEMM adds into main_grad (no bf16 .grad)."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,3 +114,60 @@ def test_fused_linear_two_forwards_before_backwards():
         grads.append([p.main_grad.clone() for p in params])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_buckets_released_between_steps_match_persistent():
+    """GradBuffer with release_between_steps: same gradients, memory only between backward and step."""
+    from megacoat.config import ModelConfig, OptimizerConfig, resolve_model_defaults
+    from megacoat.model.gpt import GPTModel
+    from megacoat.model.transformer import LayerContext
+    from megacoat.optim.optimizer import MixedPrecisionAdamW
+    from megacoat.parallel.context import ParallelContext
+
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, attention_dropout=0.0,
+                    hidden_dropout=0.0)
+    resolve_model_defaults(m)
+    ctx = ParallelContext.single(torch.device("cpu"))
+    tokens = torch.randint(0, 100, (3, 2, 17), generator=torch.Generator().manual_seed(5))
+    results = []
+    for release in (False, True):
+        model = GPTModel(m, LayerContext(None, False, None, torch.float32, torch.device("cpu"), 7), 100, 128)
+        opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=1e-2), ctx, bucket_size=5000)
+        assert len(opt.grad_buffer.buckets) > 2 and opt.grad_buffer.release_between_steps
+        if not release:
+            model.pre_backward_hook = None
+            opt.grad_buffer.release_between_steps = False
+            for b in opt.grad_buffer.buckets:
+                b.untyped_storage().resize_(b.numel() * b.element_size())
+        else:
+            assert all(b.untyped_storage().nbytes() == 0 for b in opt.grad_buffer.buckets)
+        losses, grads = [], []
+        for step in range(3):
+            opt.zero_grad()
+            for mb in tokens[step:step + 2]:  # two micro-batches
+                opt.start_micro_batch(is_last=True)
+                loss = model(mb[:, :-1], labels=mb[:, 1:]).mean() / 2
+                loss.backward()
+            grads.append(torch.cat([b.clone() for b in opt.grad_buffer.buckets]))
+            opt.step(1e-2)
+            losses.append(loss.item())
+            if release:
+                assert all(b.untyped_storage().nbytes() == 0 for b in opt.grad_buffer.buckets)
+        results.append((losses, grads))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_released_buffer_refuses_writes():
+    from megacoat.optim.buffers import GradBuffer
+    p = nn.Parameter(torch.randn(4, 4))
+    buf = GradBuffer([p], release_between_steps=True)
+    buf.zero()
+    with pytest.raises(RuntimeError, match="released"):
+        (p * 2).sum().backward()  # nothing allocated the bucket: a loud error, not a write into freed memory
+    p.grad = None
+    buf.allocate_for([p])
+    (p * 2).sum().backward()
+    buf.finalize()
+    assert torch.equal(p.main_grad, torch.full_like(p, 2.0))

@@ -53,6 +53,9 @@ def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, i
 @torch.library.custom_op("megacoat::wgrad_accumulate_", mutates_args=("main_grad", "overwrite"))
 def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
                       overwrite: torch.Tensor) -> None:
+    if main_grad.untyped_storage().nbytes() < (main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size():
+        raise RuntimeError("wgrad_accumulate_: main_grad has no memory (its gradient bucket was released and not "
+                           "re-allocated before this backward)")
     first = bool(overwrite.item())  # a CPU flag: no device sync
     if main_grad.dtype == grad_output.dtype or not wgrad_accumulate_fused(main_grad, grad_output, inp, first):
         wgrad_accumulate_reference(main_grad, grad_output, inp, first)

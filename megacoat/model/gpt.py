@@ -19,6 +19,21 @@ from .rope import RotaryEmbedding
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
 
 
+class _BeforeBackward(torch.autograd.Function):
+    """Identity whose backward first calls `fn`: placed on a module's output, it runs just before that
+    module's backward (the optimizer allocates the gradient storage of its parameters there)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: a multiple of divisible_by * TP, so every TP shard is equal and aligned."""
     multiple = divisible_by * tp
@@ -80,10 +95,18 @@ class GPTModel(nn.Module):
         # Called with each top-level module just before its forward, outside compiled code: the
         # ZeRO optimizer waits there for the deferred all-gather of that module's weights.
         self.pre_module_hook = None
+        # Called with a tuple of modules just before their backward (see _BeforeBackward).
+        self.pre_backward_hook = None
 
     def _before(self, module: nn.Module) -> None:
         if self.pre_module_hook is not None:
             self.pre_module_hook(module)
+
+    def _before_backward(self, x: torch.Tensor, *modules: nn.Module) -> torch.Tensor:
+        hook = self.pre_backward_hook
+        if hook is None or not torch.is_grad_enabled() or not x.requires_grad:
+            return x
+        return _BeforeBackward.apply(x, lambda: hook(modules))
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under SP)."""
@@ -104,7 +127,7 @@ class GPTModel(nn.Module):
         if self.training and p > 0:
             with _dropout_region(self.lc, inside_tp=False, p=p):
                 x = F.dropout(x, p, training=True)
-        return x
+        return self._before_backward(x, self.embedding, self)
 
     def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
@@ -122,15 +145,16 @@ class GPTModel(nn.Module):
             self._before(layer)
             if self.lc.fp8 is not None:
                 refresh_fp8_weights(layer)  # FP8 weight copies, once per optimizer step, outside compiled code
-            x = layer(x, rope, attention_mask)
+            x = self._before_backward(layer(x, rope, attention_mask), layer)
         if not self.post_process:
             return x
         if self.tied and not self.pre_process:
             self._before(self.embedding)  # the tied copy the output layer uses
         self._before(self.final_norm)
-        x = self.final_norm(x)
+        x = self._before_backward(self.final_norm(x), self.final_norm)
         self._before(self.output_layer)
         logits = self.output_layer(x, weight=self.embedding.weight if self.tied else None)  # [s, b, V/tp]
+        logits = self._before_backward(logits, self.output_layer, *((self.embedding,) if self.tied else ()))
         if labels is None:
             full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)
             return full[..., : self.vocab_size]

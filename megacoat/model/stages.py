@@ -64,6 +64,15 @@ class ModelChunks(nn.Module):
         for c in self.chunks:
             c.pre_module_hook = fn
 
+    @property
+    def pre_backward_hook(self):
+        return self.chunks[0].pre_backward_hook
+
+    @pre_backward_hook.setter
+    def pre_backward_hook(self, fn) -> None:
+        for c in self.chunks:
+            c.pre_backward_hook = fn
+
     def num_parameters(self) -> int:
         """Parameters of the full model (all stages, all TP shards, tied embedding once)."""
         return self._total_parameters

@@ -39,6 +39,7 @@ class GradAccumulator:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
     def _accumulate(self, p: torch.Tensor) -> None:
+        require_storage(p.main_grad)
         if id(p) in self._fused_ids:
             self._fresh.discard(id(p))
         elif id(p) in self._fresh:
@@ -69,25 +70,80 @@ class GradAccumulator:
 
 
 class GradBuffer:
-    """One flat gradient buffer (no buckets, no weight buffer): the non-sharded optimizer's."""
+    """The non-sharded optimizer's gradient buffers: one flat tensor per bucket (no weight buffer).
 
-    def __init__(self, params: List[nn.Parameter], dtype: torch.dtype = torch.float32):
+    With `release_between_steps`, each bucket's memory exists only from just before the first backward
+    that writes it until the end of the optimizer step (`allocate_for` from the model's pre-backward
+    hook, `release` after the step): activations and gradients then share memory the way they do when
+    `.grad` tensors are freed between steps, while main_grad views (and compiled graphs that take
+    them) stay the same tensors. Buckets follow backward order, so a bucket is allocated when the
+    activations of the layers it serves are being freed.
+    """
+
+    def __init__(self, params: List[nn.Parameter], dtype: torch.dtype = torch.float32,
+                 bucket_size: Optional[int] = None, release_between_steps: bool = False):
         self.params = [p for p in params if p.requires_grad]
         order = list(reversed(self.params))
-        numel = sum(p.numel() for p in order)
         device = order[0].device if order else torch.device("cpu")
-        self.data = torch.zeros(numel, dtype=dtype, device=device)
-        offset = 0
+        bucket_size = bucket_size or max(sum(p.numel() for p in order), 1)
+        groups, current, size = [], [], 0
         for p in order:
-            p.main_grad = self.data[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
+            current.append(p)
+            size += p.numel()
+            if size >= bucket_size or p is order[-1]:
+                groups.append(current)
+                current, size = [], 0
+        self.buckets: List[torch.Tensor] = []
+        self.bucket_of: Dict[int, int] = {}
+        for i, group in enumerate(groups):
+            data = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            offset = 0
+            for p in group:
+                p.main_grad = data[offset: offset + p.numel()].view_as(p)
+                self.bucket_of[id(p)] = i
+                offset += p.numel()
+            self.buckets.append(data)
+        self.release_between_steps = release_between_steps
         self.accumulator = GradAccumulator(self.params)
+        if release_between_steps:
+            self.release()
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buckets)
+
+    def allocate_for(self, params) -> None:
+        """Give the buckets holding `params` their memory (contents undefined: the step's first
+        gradient of each parameter overwrites, parameters without one are zeroed in finalize)."""
+        for i in {self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of}:
+            _allocate(self.buckets[i])
+
+    def release(self) -> None:
+        for b in self.buckets:
+            b.untyped_storage().resize_(0)
 
     def zero(self) -> None:
         self.accumulator.zero()
 
     def finalize(self) -> None:
+        for b in self.buckets:  # parameters that got no gradient still need zeros to read
+            _allocate(b)
         self.accumulator.finalize()
+
+
+def require_storage(main_grad: torch.Tensor) -> None:
+    """A gradient buffer released between steps must be re-allocated before anything writes it."""
+    if main_grad.untyped_storage().nbytes() < (main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size():
+        raise RuntimeError("a gradient arrived for a parameter whose gradient buffer is released: the model did "
+                           "not call its pre_backward_hook before this module's backward (a module used outside "
+                           "GPTModel.forward?)")
+
+
+def _allocate(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if storage.nbytes() < nbytes:
+        storage.resize_(nbytes)
 
 
 def shard_alignment(dp_size: int, group_sizes=(128, 2048)) -> int:

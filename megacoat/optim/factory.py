@@ -16,9 +16,9 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron's default: max(40M, 1M x DP)
 
 def build_optimizer(model: nn.Module, cfg: MegacoatConfig, ctx: ParallelContext, grad_dtype: torch.dtype):
     p = cfg.parallel
-    if not p.use_distributed_optimizer:
-        return MixedPrecisionAdamW(model, cfg.optim, ctx, grad_dtype)
     bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx.dp_size)
+    if not p.use_distributed_optimizer:
+        return MixedPrecisionAdamW(model, cfg.optim, ctx, grad_dtype, bucket_size=bucket)
     opts = ZeroOptions(bucket_size=bucket, overlap_grad_reduce=p.overlap_grad_reduce,
                        overlap_param_gather=p.overlap_param_gather, grad_dtype=grad_dtype)
     comm = build_comm(cfg.comm, ctx, CommStats(), cfg.train.seed)  # None: plain reduce-scatter / all-gather

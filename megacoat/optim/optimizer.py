@@ -12,7 +12,7 @@ so the ZeRO distributed optimizer replaces `MixedPrecisionAdamW` behind the same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -111,10 +111,15 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
     """
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, ctx: ParallelContext,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, bucket_size: Optional[int] = None):
         self.cfg, self.ctx = cfg, ctx
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad_buffer = GradBuffer(self.params, grad_dtype)
+        # Gradient memory only from each bucket's first backward to the end of the step, where the
+        # model tells us when a module's backward starts (GPTModel's pre_backward_hook).
+        release = hasattr(model, "pre_backward_hook")
+        self.grad_buffer = GradBuffer(self.params, grad_dtype, bucket_size, release_between_steps=release)
+        if release:
+            self._install_grad_allocation(model)
         self.masters = [p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
                         for p in self.params]
         self.stats = CommStats()
@@ -123,6 +128,17 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.fused = self.params[0].is_cuda
         self.codec = Fp32AdamW(self.masters, [p.ndim <= 1 for p in self.params], cfg, self.fused)
+
+    def _install_grad_allocation(self, model: nn.Module) -> None:
+        params_of = {}
+        for mod in model.modules():  # a model (chunk) for its direct parameters, other modules for all
+            params_of[id(mod)] = list(mod.parameters(recurse=not hasattr(mod, "pre_backward_hook")))
+
+        def allocate(modules) -> None:
+            for mod in modules:
+                self.grad_buffer.allocate_for(params_of.get(id(mod), ()))
+
+        model.pre_backward_hook = allocate
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
@@ -140,7 +156,8 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         self.grad_buffer.finalize()
         self._run_pre_sync()
         self._sync_sequence_parallel_grads()
-        self.comm.reduce_grads(self.grad_buffer.data)
+        for bucket in self.grad_buffer.buckets:
+            self.comm.reduce_grads(bucket)
         grads = [p.main_grad for p in self.params]
         norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
         for m, g in zip(self.masters, grads):
@@ -151,6 +168,8 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        if self.grad_buffer.release_between_steps:
+            self.grad_buffer.release()  # stream-ordered: the step's kernels above still read it first
         return StepResult(success, norm, self.stats.pop())
 
     def memory_report(self) -> dict:
@@ -159,7 +178,7 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         weights = sum(p.numel() * p.element_size() for p in self.params)
         master = sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
         states = self.codec.bytes_per_element * n
-        grads = self.grad_buffer.data.numel() * self.grad_buffer.data.element_size()
+        grads = self.grad_buffer.numel * self.grad_buffer.buckets[0].element_size()
         return {"params": n, "weights": weights / n, "grads": grads / n, "master": master / n,
                 "optimizer_states": states / n}
 

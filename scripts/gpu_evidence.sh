@@ -1,7 +1,13 @@
 #!/bin/bash
-# Issue 9 evidence on one H200: megacoat bf16 vs the plain-PyTorch peer (1.36B and 7B shapes), peak-memory
-# breakdown, profile, and the fused weight-gradient GEMM check. Runs from a clean export of a commit
-# (SRC, default .), writes under $OUT. Usage: SRC=.snap STAGES=... bash scripts/gpu_substrate.sh
+# GPU evidence on one H200, in stages (STAGES=a,b,...), within a time budget (BUDGET seconds):
+#   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
+#   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
+#   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
+#   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10)
+#   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
+# Runs from a clean export of a commit (SRC, default .), writes under $OUT.
+# Usage: SRC=.snap STAGES=... bash scripts/gpu_evidence.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache   # later runs of the same shapes reuse compiled graphs
@@ -26,6 +32,15 @@ peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee 
 { date -u; cat COMMIT 2>/dev/null; git -C "$HERE" log -1 --oneline 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
+if has gputests && ! late gputests; then echo "== GPU tests $(el)" | tee -a $LOG
+  timeout ${TEST_TMO:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -25 | tee -a $LOG
+fi
+for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_bench.py; do
+  st=${b%%:*}; f=${b##*:}
+  if has $st && ! late $st && [ -f benchmarks/$f ]; then echo "== $f $(el)" | tee -a $LOG
+    timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
+  fi
+done
 if has wgrad; then echo "== fused wgrad GEMM check $(el)" | tee -a $LOG
 python3 - <<'PY' 2>&1 | tee -a $LOG
 import torch, time
@@ -60,6 +75,22 @@ fi
 if has eager; then
   mc b1_eager 15 $M1 --no-torch-compile
   peer p1_eager --iters 8 --warmup 4
+fi
+if has coat1; then
+  mc c1_bf16 20 $M1
+  mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
+  mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
+  mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
+  [ -d "$HERE/.whl" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/torchao*/*.whl 2>&1 | tail -1
+  PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
+fi
+if has coat7; then
+  mc c7_coat 12 $M7 --fp8-format hybrid --fp8-recipe coat
+  mc c7_coat_mbs4 8 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size 4 --global-batch-size 4
+fi
+if has states; then
+  mc s1_fp32states 20 $M1
+  mc s1_fp8states 20 $M1 --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
 fi
 if has profile && ! late profile; then echo "== profile 1.36B compiled $(el)" | tee -a $LOG
   timeout 150 python3 benchmarks/profile_step.py $C $M1 --train-iters 20 --log-interval 100 --profile-steps 3 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -40 > $OUT/profile_1b.txt
