@@ -38,7 +38,8 @@ fi
 for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_bench.py; do
   st=${b%%:*}; f=${b##*:}
   if has $st && ! late $st && [ -f benchmarks/$f ]; then echo "== $f $(el)" | tee -a $LOG
-    timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
+    extra=""; [ $st = fp8bench ] && extra="${FP8_ARGS:-}"
+    timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json $extra 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
   fi
 done
 if has wgrad; then echo "== fused wgrad GEMM check $(el)" | tee -a $LOG
