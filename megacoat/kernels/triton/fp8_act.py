@@ -115,7 +115,7 @@ def _act(x, KIND: tl.constexpr):
     if KIND == 0:  # silu
         return x * tl.sigmoid(x)
     else:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-        z = GELU_C * (x + 0.044715 * x * x * x)
+        z = (x + 0.044715 * x * x * x) * GELU_C  # tensor first: constexpr * tensor breaks the interpreter
         return 0.5 * x * (2.0 * tl.sigmoid(2.0 * z))
 
 
@@ -125,8 +125,8 @@ def _act_grad(x, KIND: tl.constexpr):
         s = tl.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))
     else:
-        t = 2.0 * tl.sigmoid(2.0 * GELU_C * (x + 0.044715 * x * x * x)) - 1.0
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * x * x)
+        t = 2.0 * tl.sigmoid((x + 0.044715 * x * x * x) * GELU_C * 2.0) - 1.0
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (1.0 + 3 * 0.044715 * x * x) * GELU_C
 
 
 @triton.jit
