@@ -140,3 +140,37 @@ def test_e4m3_format_uses_e4m3_gradients():
     w = _data((16, 32), 20).requires_grad_(True)
     fp8_linear(x, w, None, Fp8WeightCache("e4m3"), Fp8Recipe("e4m3", "e4m3", True)).backward(_data((8, 16), 21))
     assert _rel(x.grad, (_data((8, 16), 21).double() @ w.detach().double())) < 0.08
+
+
+def test_transient_weights_give_the_same_numbers_and_keep_nothing():
+    """One micro-batch per step: no FP8 weight copy is kept (W cast in forward, W^T in backward)."""
+    x = _data((8, 2, 32), 22)
+    w = _data((48, 32), 23, scale=0.1)
+    g = _data((8, 2, 48), 24)
+    outs = []
+    for persistent in (True, False):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        cache = Fp8WeightCache("e4m3", persistent=persistent)
+        y = fp8_linear(xx, ww, None, cache, COAT)
+        y.backward(g)
+        outs.append((y, xx.grad, ww.grad))
+        assert (cache.wq is None) == (not persistent)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_recipe_caches_weights_only_with_several_micro_batches():
+    from megacoat.config import PrecisionConfig, TrainingConfig
+    from megacoat.precision.recipe import resolve_precision
+
+    pr = PrecisionConfig(fp8_format="hybrid", fp8_recipe="coat")
+    one = resolve_precision(TrainingConfig(), torch.device("cpu"), precision=pr, num_microbatches=1)
+    many = resolve_precision(TrainingConfig(), torch.device("cpu"), precision=pr, num_microbatches=4)
+    assert one.params_dtype == torch.bfloat16 and one.name == "fp8"  # FP8 makes bf16 the default on CPU
+    assert not one.fp8.cache_weights and many.fp8.cache_weights
+    assert one.fp8.grad_format == "e5m2" and one.fp8.fp8_activations
+    e4 = resolve_precision(TrainingConfig(), torch.device("cpu"),
+                           precision=PrecisionConfig(fp8_format="e4m3", fp8_recipe="tensorwise"))
+    assert e4.fp8.grad_format == "e4m3" and not e4.fp8.fp8_activations and e4.log_name == "fp8 (e4m3, tensorwise)"
+    with pytest.raises(ValueError, match="needs bf16"):
+        resolve_precision(TrainingConfig(fp32=True), torch.device("cpu"), precision=pr)

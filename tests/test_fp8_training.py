@@ -123,7 +123,7 @@ def _compiled_layer_equals_eager(rank, world, tp, sp):
 
     ctx = ParallelContext.build(tp, 1, torch.device("cpu"))
     m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176)
-    for recipe in (Fp8Recipe(), Fp8Recipe(fp8_activations=False)):
+    for recipe in (Fp8Recipe(), Fp8Recipe(fp8_activations=False), Fp8Recipe(cache_weights=False)):
         rng = seed_everything(3, ctx.tp_rank, ctx.device)
         layer = TransformerLayer(m, LayerContext(ctx.tp_group, sp, rng, torch.bfloat16, ctx.device, 3, fp8=recipe), 0)
         for p in layer.parameters():

@@ -20,7 +20,8 @@ Saved for backward: under `coat` the transposed FP8 copy of x (1 byte/element) a
 `tensorwise` the bf16 x (its FP8 copies are remade in backward with the forward's scale).
 
 Weight cache (`Fp8WeightCache`): the FP8 weight, its transpose and scale are made once per optimizer
-step and reused by every micro-batch. They are refreshed outside compiled code (the model calls
+step and reused by every micro-batch (when a step has several; with one micro-batch per step nothing is
+kept: see Fp8WeightCache). They are refreshed outside compiled code (the model calls
 `refresh_fp8_weights(layer)` before each layer; the trainer calls `invalidate_fp8_weights(model)`
 after each optimizer step and checkpoint load). Eager calls also refresh when the weight's version
 counter moved (in-place updates).
@@ -116,10 +117,16 @@ def _(main_grad, gqt, sg, xqt, sx, overwrite, hw) -> None:
 
 # ----------------------------------------------------------------------------- weight cache
 class Fp8WeightCache:
-    """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed."""
+    """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed.
 
-    def __init__(self, fmt: str):
+    `persistent=False` keeps nothing between micro-batches: the forward casts W (amax + cast) and the
+    backward casts W^T again with the forward's scale, as torchao does. That saves 2 bytes per weight
+    element of memory at ~5 bytes per element of extra traffic per micro-batch: the better trade when a
+    step has a single micro-batch (the trainer chooses: persistent when it has several)."""
+
+    def __init__(self, fmt: str, persistent: bool = True):
         self.fmt = fmt
+        self.persistent = persistent
         self.wq = self.wqt = self.scale = None
         self.stale = True
         self.version = None
@@ -128,6 +135,8 @@ class Fp8WeightCache:
         self.stale = True
 
     def needs_refresh(self, weight: torch.Tensor) -> bool:
+        if not self.persistent:
+            return False
         return self.stale or self.wq is None or self.version != (weight._version, weight.data_ptr())
 
     @torch.no_grad()
@@ -198,12 +207,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         else:
             xq, xqt = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, opts.save_fp8)
             lead = x.shape[:-1]
+        transient = wq is None
+        if transient:  # no cache: cast W now, W^T again in backward (only the bf16 weight is kept)
+            wq, _, w_scale = fp8.quantize_tensorwise(weight.detach(), opts.fwd_fmt)
         y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm)
         if bias is not None:
             y = y + bias
         # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
         # under SP, as Megatron saves it).
-        ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, wqt, w_scale)
+        ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, weight if transient else wqt, w_scale)
+        ctx.transient = transient
         # Not saved tensors: other micro-batches write into them between this forward and its backward.
         ctx.main_grad, ctx.overwrite = main_grad, overwrite
         ctx.opts, ctx.has_bias, ctx.in_shape = opts, bias is not None, x.shape
@@ -214,6 +227,8 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, g):
         opts = ctx.opts
         x_saved, sx, wqt, w_scale = ctx.saved_tensors
+        if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
+            _, wqt = fp8.cast_tensorwise(wqt.detach(), w_scale, opts.fwd_fmt, True)
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True)
@@ -265,7 +280,7 @@ class Fp8LinearImpl:
         self.hw_gemm = device_has_fp8_gemm(device) if device is not None else None
 
     def make_cache(self) -> Fp8WeightCache:
-        return Fp8WeightCache(self.recipe.fwd_format)
+        return Fp8WeightCache(self.recipe.fwd_format, persistent=self.recipe.cache_weights)
 
     def gathers_fp8(self, sequence_parallel: bool) -> bool:
         """Under SP, coat gathers the FP8 codes itself; tensorwise gathers bf16 (and saves it)."""
@@ -286,7 +301,7 @@ def _fp8_caches(module: nn.Module):
 def refresh_fp8_weights(module: nn.Module) -> None:
     """Remake stale FP8 weight copies of the layers in `module` (call outside compiled code)."""
     for m, cache in _fp8_caches(module):
-        if cache.needs_refresh(m.weight):
+        if cache.persistent and cache.needs_refresh(m.weight):
             cache.refresh(m.weight)
 
 

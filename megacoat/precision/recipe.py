@@ -14,7 +14,7 @@ attention stay bf16 in both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -27,6 +27,9 @@ class Fp8Recipe:
     fwd_format: str = "e4m3"
     grad_format: str = "e5m2"
     fp8_activations: bool = True  # coat; False: tensorwise
+    # Keep each weight's FP8 copy (W and W^T, 2 bytes/element) for the whole step: pays when a step has
+    # several micro-batches; with one, casting per use saves the memory (resolve_precision decides).
+    cache_weights: bool = True
 
     @property
     def name(self) -> str:
@@ -73,9 +76,11 @@ def resolve_fp8(pr: PrecisionConfig) -> Optional[Fp8Recipe]:
 
 
 def resolve_precision(t: TrainingConfig, device: torch.device, grad_reduce_in_bf16: bool = False,
-                      precision: Optional[PrecisionConfig] = None) -> PrecisionRecipe:
+                      precision: Optional[PrecisionConfig] = None, num_microbatches: int = 1) -> PrecisionRecipe:
     grad = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
     fp8 = resolve_fp8(precision) if precision is not None else None
+    if fp8 is not None:
+        fp8 = replace(fp8, cache_weights=num_microbatches > 1)
     if fp8 is not None and t.fp32:
         raise ValueError("--fp8-format needs bf16 parameters: drop --fp32 (or use --bf16).")
     if t.bf16 or fp8 is not None:

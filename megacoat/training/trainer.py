@@ -134,7 +134,8 @@ class Trainer:
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node)
-        self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision)
+        self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
+                                        num_microbatches(cfg, self.ctx.dp_size))
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
         # drawn from (seed, parameter name) generators, so they do not depend on it.
         self.rng = seed_everything(cfg.train.seed + 100 * self.ctx.pp_rank, self.ctx.tp_rank, self.device)
