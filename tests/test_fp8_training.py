@@ -27,8 +27,13 @@ STEPS = 32
 GAP = 0.04
 
 
-def _train(dtype, fp8):
-    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176)
+GPT2 = dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
+            add_bias_linear=True)
+
+
+def _train(dtype, fp8, **arch):
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176,
+                           **arch)
     ctx = ParallelContext.build(1, 1, torch.device("cpu"))
     rng = seed_everything(5, 0, ctx.device)
     model = GPTModel(m, LayerContext(None, False, rng, dtype, ctx.device, 5, fp8=fp8), VOCAB,
@@ -49,6 +54,15 @@ def test_small_gpt_under_fp8_tracks_fp32():
         got = _train(torch.bfloat16, recipe)
         gap = max(abs(a - b) for a, b in zip(ref, got))
         assert gap < GAP, (recipe.name, gap, ref[-1], got[-1])
+
+
+def test_gpt2_style_under_coat_tracks_fp32():
+    """LayerNorm (with bias), GELU, biased linears, learned positions: the other fused FP8 kernels."""
+    ref = _train(torch.float32, None, **GPT2)
+    got = _train(torch.bfloat16, Fp8Recipe(), **GPT2)
+    assert ref[-1] < ref[0] - 1.0
+    gap = max(abs(a - b) for a, b in zip(ref, got))
+    assert gap < GAP, (gap, ref[-1], got[-1])
 
 
 def _losses(path):
