@@ -56,6 +56,8 @@ def bench_us(fn) -> float:
         fn()
         return 1e6 * (time.perf_counter() - t0)
     from triton.testing import do_bench
+    fn()  # compile / autotune outside the timed region (do_bench sizes its loop from a first call)
+    torch.cuda.synchronize()
     return 1000.0 * do_bench(fn, warmup=25, rep=100)
 
 
@@ -134,13 +136,13 @@ def _sweep(x, h, scale, n):
     out = {}
     saved_k, saved_ka = dict(K.TILES), dict(KA.TILES)
     trials = {
-        "cast+T": ("cast", [(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (64, 256, 8), (128, 128, 8)],
+        "cast+T": ("cast", [(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 128, 8)],
                    lambda: K.cast_tensorwise(x, scale, "e4m3", True), 4 * n, K.TILES),
-        "quantize_1x16": ("quantize_1x16", [(8, 16, 4), (16, 16, 4), (32, 16, 8), (16, 32, 8), (64, 8, 8), (4, 64, 4)],
+        "quantize_1x16": ("quantize_1x16", [(8, 16, 4), (16, 16, 4), (32, 16, 8), (16, 32, 8)],
                           lambda: K.quantize_1x16(x, "e4m3"), 3.25 * n, K.TILES),
-        "swiglu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8), (32, 8, 8)],
+        "swiglu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8)],
                        lambda: KA.swiglu_fwd(h), 8.5 * n, KA.TILES),
-        "silu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8), (32, 8, 8)],
+        "silu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8)],
                      lambda: KA.act_fwd(x, "silu"), 5.25 * n, KA.TILES),
     }
     for name, (key, configs, fn, nbytes, table) in trials.items():
@@ -158,7 +160,7 @@ def _sweep(x, h, scale, n):
         best = min(ok, key=lambda r: r["time_us"]) if ok else None
         print(f"  sweep {name}: best {best}", flush=True)
         out[name] = dict(trials=res, best=best)
-    for e in (512, 1024, 2048, 4096, 8192):  # rows per norm program
+    for e in (1024, 2048, 8192):  # elements (rows x hidden) per norm program
         KA.TILES["norm_elems_per_program"] = e
         w = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
         us = bench_us(lambda: KA.norm_fwd(x, None, w, None, 1e-5, True))
