@@ -62,9 +62,14 @@ class PlainShardedComm:
         work = dist.reduce_scatter_tensor(tmp, bucket_grad, group=self.group, async_op=async_op)
         return Pending([work], lambda: shard_out.copy_(tmp))
 
+    # The optimizer may write the owned weight shard itself, fused into its step (the all-gather
+    # only needs the new weights); then it calls gather_params(..., weights_written=True).
+    optimizer_writes_shard_weights = True
+
     def gather_params(self, bucket_param: torch.Tensor, shard_param: torch.Tensor, master_shard: torch.Tensor,
-                      async_op: bool) -> Pending:
-        shard_param.copy_(master_shard)  # round the new fp32 master to the weight dtype
+                      async_op: bool, weights_written: bool = False) -> Pending:
+        if not weights_written:
+            shard_param.copy_(master_shard)  # round the new fp32 master to the weight dtype
         if self.size == 1:
             return Pending()
         self.stats.add("param", ring_shard_bytes(bucket_param.numel(), bucket_param.element_size(), self.size))

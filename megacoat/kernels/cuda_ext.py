@@ -25,11 +25,17 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.version.cuda is not None
 
 
+def precise_flags():
+    return [f for f in NVCC_FLAGS if f != "--use_fast_math"]
+
+
 @lru_cache(maxsize=None)
-def load_extension(name: str, sources: Sequence[str]) -> Optional[object]:
+def load_extension(name: str, sources: Sequence[str], precise: bool = False) -> Optional[object]:
     """The compiled module `megacoat._<name>`, or None (after one warning) if it cannot be had.
 
     `sources` are file names inside csrc/. Set MEGACOAT_NO_CUDA_EXT=1 to force the references.
+    `precise`: build without --use_fast_math (IEEE division/sqrt, accurate powf, denormals kept),
+    for kernels that must agree bit for bit with their torch reference.
     """
     if os.environ.get("MEGACOAT_NO_CUDA_EXT") == "1" or not cuda_available():
         return None
@@ -45,7 +51,7 @@ def load_extension(name: str, sources: Sequence[str]) -> Optional[object]:
         return None
     try:
         from torch.utils.cpp_extension import load
-        return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=NVCC_FLAGS,
+        return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=precise_flags() if precise else NVCC_FLAGS,
                     extra_cflags=["-O3"], verbose=os.environ.get("MEGACOAT_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 - a failed build must leave the reference running
         warnings.warn(f"megacoat: building CUDA kernel '{name}' failed ({type(e).__name__}: {str(e)[-500:]}); using "

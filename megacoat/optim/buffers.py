@@ -146,6 +146,9 @@ def _allocate(t: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+PARAM_ALIGN = 128  # see ParamGradBuffer
+
+
 def shard_alignment(dp_size: int, group_sizes=(128, 2048)) -> int:
     """Every DP shard of a bucket is a multiple of the largest quantization group any
     communication or state codec uses, so groups never straddle owners: buckets are padded to
@@ -188,12 +191,15 @@ class ParamGradBuffer:
 
     Model parameters become views of `param_data` (so a bucket's all-gather writes the weights
     in place) and their `main_grad` views of `grad_data`. Layout: reverse registration order,
-    buckets of at least `bucket_size` elements closed at parameter boundaries, each padded with
-    zeros to a multiple of `shard_alignment(dp)`. Padding is never written by the optimizer.
+    every parameter starting at a multiple of `param_align` (128: the FP8 optimizer-state groups
+    are 128 elements of each parameter's own range, so they never straddle a DP shard and do not
+    depend on the DP size), buckets of at least `bucket_size` elements closed at parameter
+    boundaries, each padded with zeros to a multiple of `shard_alignment(dp)`. Padding is zero
+    and stays zero (the optimizer keeps zeros at zero).
     """
 
     def __init__(self, params: List[nn.Parameter], grad_dtype: torch.dtype, dp_size: int, dp_rank: int,
-                 bucket_size: Optional[int], align: int):
+                 bucket_size: Optional[int], align: int, param_align: int = PARAM_ALIGN):
         self.params = [p for p in params if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
@@ -207,6 +213,7 @@ class ParamGradBuffer:
         ranges: Dict[int, Tuple[int, int]] = {}
         offset, current, bucket_start = 0, [], 0
         for i, p in enumerate(order):
+            offset = bucket_start + _round_up(offset - bucket_start, param_align)
             ranges[id(p)] = (offset, offset + p.numel())
             offset += p.numel()
             current.append(p)

@@ -30,6 +30,7 @@ from ..comm.plain import PlainShardedComm
 from ..config import OptimizerConfig
 from ..parallel.context import ParallelContext
 from .adamw import Fp32AdamW
+from .fp8_adam import Chunk, PrecisionAwareAdamW, choose_state_formats, decay_table
 from .buffers import Bucket, GradAccumulator, ParamGradBuffer, shard_alignment
 from .clip import global_grad_norm
 from .optimizer import CodecScalars, ParamStateRange, PreSyncParams, StepResult, counted_in_norm, all_reduce_packed
@@ -65,8 +66,10 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
         self.comm = comm or PlainShardedComm(ctx.dp_group, self.stats)
         self.fused = self.params[0].is_cuda
         self._build_masters()
-        self.codec = Fp32AdamW([s.master for s in self.segments], [s.param.ndim <= 1 for s in self.segments],
-                               cfg, self.fused)
+        formats = choose_state_formats(cfg, self.master_flat.device)
+        self.flat = formats is not None
+        self.codec = self._flat_codec(formats) if self.flat else \
+            Fp32AdamW([s.master for s in self.segments], [s.param.ndim <= 1 for s in self.segments], cfg, self.fused)
         self.accumulator = GradAccumulator(self.params, self._on_grad_ready if opts.overlap_grad_reduce else None)
         self._is_last_micro_batch = True
         self._ready: Dict[int, int] = {}
@@ -93,6 +96,24 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
                 counted = counted_in_norm(p, self.ctx.tp_rank)
                 self.segments.append(Segment(p, local, (a, z), nn.Parameter(view[a - lo: z - lo]), counted))
             offset += b.shard_size
+
+    def _flat_codec(self, formats) -> PrecisionAwareAdamW:
+        """The flat-shard codec: one chunk per bucket shard; it writes the owned bf16 weights itself
+        where the communication strategy allows (`optimizer_writes_shard_weights`)."""
+        buf = self.buffer
+        write = buf.param_dtype == torch.bfloat16 and getattr(self.comm, "optimizer_writes_shard_weights", False)
+        chunks, offset = [], 0
+        for b in buf.buckets:
+            lo, hi = b.owned
+            chunks.append(Chunk(offset, offset + b.shard_size, buf.grad_data[lo:hi],
+                                buf.param_data[lo:hi] if write else None))
+            offset += b.shard_size
+        spans = [(self._flat_offset(s), s.master.numel(), s.param.ndim > 1) for s in self.segments]
+        decay = decay_table(spans, self.master_flat.numel(), self.master_flat.device)
+        return PrecisionAwareAdamW(self.master_flat, chunks, decay, self.cfg, *formats)
+
+    def _flat_offset(self, s: Segment) -> int:
+        return s.master.storage_offset() - self.master_flat.storage_offset()
 
     def _install_param_wait(self, model: nn.Module) -> None:
         """Before a module's forward, wait for the all-gathers of the buckets holding its weights.
@@ -161,7 +182,8 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
 
     def _segment_grad(self, s: Segment) -> torch.Tensor:
         g = self.buffer.grad_data[s.absolute[0]: s.absolute[1]]
-        return g if g.dtype == torch.float32 else g.float()
+        # The flat codec reads bf16 gradients directly (no fp32 copy); torch's AdamW needs fp32.
+        return g if g.dtype == torch.float32 or self.flat else g.float()
 
     def _sync_sequence_parallel_grads(self, grads: List[torch.Tensor]) -> None:
         """Norm weights see only their sequence shard under SP: sum their owned grads over TP."""
@@ -176,21 +198,26 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
         self._sync_sequence_parallel_grads(grads)
         norm = global_grad_norm(grads, [s.counted for s in self.segments], self.ctx.mp_group,
                                 extra_group=self.ctx.dp_group)
-        for s, g in zip(self.segments, grads):
-            s.master.grad = g
-        success = self.codec.step(lr, norm, lambda c: [g.mul_(c) for g in grads])
-        for s in self.segments:
-            s.master.grad = None
+        if self.flat:
+            success = self.codec.step(lr, norm)
+        else:
+            for s, g in zip(self.segments, grads):
+                s.master.grad = g
+            success = self.codec.step(lr, norm, lambda c: [g.mul_(c) for g in grads])
+            for s in self.segments:
+                s.master.grad = None
         self._gather_params(async_op=self.opts.overlap_param_gather)
         return StepResult(success, norm, self.stats.pop())
 
-    def _gather_params(self, async_op: bool) -> None:
+    def _gather_params(self, async_op: bool, after_load: bool = False) -> None:
         # Forward uses the buckets from last to first (buckets are in reverse registration order):
         # issue them in that order so the first one needed completes first.
+        # The codec already wrote the owned bf16 weights (only where the strategy allows it).
+        written = {"weights_written": True} if self.flat and self.codec.writes_weights and not after_load else {}
         for b in reversed(self.buffer.buckets):
             lo, hi = b.owned
             pending = self.comm.gather_params(self.buffer.bucket_param(b), self.buffer.param_data[lo:hi],
-                                              self.bucket_master[b.index], async_op)
+                                              self.bucket_master[b.index], async_op, **written)
             if async_op:
                 self._pending_param[b.index] = pending
             else:
@@ -206,16 +233,29 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
                 "master": 4 * shard / n,
                 "optimizer_states": self.codec.bytes_per_element * shard / n}
 
+    def describe(self) -> str:
+        return self.codec.formats() if self.flat else "exp_avg fp32, exp_avg_sq fp32 (torch AdamW)"
+
     # ----------------------------------------------------------------- checkpoint interface
     def state_ranges(self) -> List[ParamStateRange]:
         self.finish_param_sync()
-        return [ParamStateRange(s.param, s.local[0], s.local[1],
-                                {"master": s.master.detach().view(-1), **self.codec.state_views(i)})
-                for i, s in enumerate(self.segments)]
+        if not self.flat:
+            return [ParamStateRange(s.param, s.local[0], s.local[1],
+                                    {"master": s.master.detach().view(-1), **self.codec.state_views(i)})
+                    for i, s in enumerate(self.segments)]
+        out = []
+        for s in self.segments:
+            a = self._flat_offset(s)
+            elem, groups = self.codec.range_states(a, a + s.master.numel())
+            out.append(ParamStateRange(s.param, s.local[0], s.local[1], {"master": s.master.detach().view(-1), **elem},
+                                       groups))
+        return out
 
     @torch.no_grad()
     def after_load(self) -> None:
         """Masters were written through state_ranges(): rebuild every rank's weights from them."""
         self.finish_param_sync()
+        if self.flat:
+            self.codec.after_load()
         with getattr(self.comm, "exact_gathers", contextlib.nullcontext)():  # qWD: exact weights, not deltas
-            self._gather_params(async_op=False)
+            self._gather_params(async_op=False, after_load=True)

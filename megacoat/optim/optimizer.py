@@ -11,7 +11,7 @@ so the ZeRO distributed optimizer replaces `MixedPrecisionAdamW` behind the same
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -24,6 +24,7 @@ from ..config import OptimizerConfig
 from ..parallel.context import ParallelContext
 from .buffers import GradBuffer
 from .adamw import Fp32AdamW
+from .fp8_adam import Chunk, PrecisionAwareAdamW, choose_state_formats, decay_table, round_up_group
 from .clip import global_grad_norm
 
 
@@ -42,6 +43,9 @@ class ParamStateRange:
     start: int
     end: int
     tensors: Dict[str, torch.Tensor]
+    # Per-group state (FP8 moments: scale, exponent and centre of each group of 128 elements of the
+    # TP-local flat tensor): 1-D views over groups [start // 128, ceil(end / 128)).
+    groups: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,14 +124,43 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         self.grad_buffer = GradBuffer(self.params, grad_dtype, bucket_size, release_between_steps=release)
         if release:
             self._install_grad_allocation(model)
-        self.masters = [p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
-                        for p in self.params]
         self.stats = CommStats()
         self.comm = PlainAllReduce(ctx.dp_group, self.stats)
         self.counted = [counted_in_norm(p, ctx.tp_rank) for p in self.params]
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.fused = self.params[0].is_cuda
-        self.codec = Fp32AdamW(self.masters, [p.ndim <= 1 for p in self.params], cfg, self.fused)
+        formats = choose_state_formats(cfg, self.params[0].device)
+        self.flat = formats is not None
+        if self.flat:
+            self.codec = self._flat_codec(formats)
+        else:
+            self.masters = [p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+                            for p in self.params]
+            self.codec = Fp32AdamW(self.masters, [p.ndim <= 1 for p in self.params], cfg, self.fused)
+
+    def _flat_codec(self, formats) -> PrecisionAwareAdamW:
+        """Masters in one flat fp32 tensor, each parameter starting a group of 128 (the codec's
+        shard); one chunk per parameter. fp32 parameters become views of their master."""
+        self.offsets, n = [], 0
+        for p in self.params:
+            self.offsets.append(n)
+            n += round_up_group(p.numel())
+        self.master_flat = torch.zeros(n, dtype=torch.float32, device=self.params[0].device)
+        self.masters, chunks = [], []
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                view = self.master_flat[off: off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                if p.dtype == torch.float32:
+                    p.data = view
+                    self.masters.append(p)
+                else:
+                    self.masters.append(nn.Parameter(view, requires_grad=False))
+                chunks.append(Chunk(off, off + round_up_group(p.numel()), p.main_grad.view(-1),
+                                    None if p.dtype == torch.float32 else p))
+        decay = decay_table([(off, p.numel(), p.ndim > 1) for p, off in zip(self.params, self.offsets)], n,
+                            self.master_flat.device)
+        return PrecisionAwareAdamW(self.master_flat, chunks, decay, self.cfg, *formats)
 
     def _install_grad_allocation(self, model: nn.Module) -> None:
         params_of = {}
@@ -160,6 +193,11 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
             self.comm.reduce_grads(bucket)
         grads = [p.main_grad for p in self.params]
         norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
+        if self.flat:  # reads bf16 gradients directly and writes the bf16 weights in the same pass
+            success = self.codec.step(lr, norm)
+            if self.grad_buffer.release_between_steps:
+                self.grad_buffer.release()
+            return StepResult(success, norm, self.stats.pop())
         for m, g in zip(self.masters, grads):
             m.grad = g if g.dtype == torch.float32 else g.float()
         success = self.codec.step(lr, norm, lambda c: [m.grad.mul_(c) for m in self.masters])
@@ -184,12 +222,24 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
 
     # ------------------------------------------------------------------ checkpoint interface
     def state_ranges(self) -> List[ParamStateRange]:
-        return [ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1), **self.codec.state_views(i)})
-                for i, (p, m) in enumerate(zip(self.params, self.masters))]
+        if not self.flat:
+            return [ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1), **self.codec.state_views(i)})
+                    for i, (p, m) in enumerate(zip(self.params, self.masters))]
+        out = []
+        for p, m, off in zip(self.params, self.masters, self.offsets):
+            elem, groups = self.codec.range_states(off, off + p.numel())
+            out.append(ParamStateRange(p, 0, p.numel(), {"master": m.detach().view(-1), **elem}, groups))
+        return out
+
+    def describe(self) -> str:
+        return self.codec.formats() if self.flat else "exp_avg fp32, exp_avg_sq fp32 (torch AdamW)"
 
     @torch.no_grad()
     def after_load(self) -> None:
         """Masters were written through state_ranges(): refresh the model's (bf16) weights."""
+        if self.flat:
+            self.codec.after_load()
         for p, m in zip(self.params, self.masters):
             if p is not m:
                 p.copy_(m)
+
