@@ -33,7 +33,8 @@ peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee 
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
 if has gputests && ! late gputests; then echo "== GPU tests $(el)" | tee -a $LOG
-  timeout ${TEST_TMO:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -25 | tee -a $LOG
+  timeout ${TEST_TMO:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short ${GPU_TESTS:-tests/} > $OUT/gputests.txt 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -60 | tee -a $LOG
 fi
 for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_bench.py; do
   st=${b%%:*}; f=${b##*:}
@@ -49,11 +50,12 @@ from megacoat.kernels.wgrad import wgrad_accumulate_, wgrad_accumulate_reference
 for (n, o, i) in [(8192, 2048, 5632), (8192, 11264, 2048), (4096, 4096, 11008)]:
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16); x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
     base = torch.randn(o, i, device="cuda")
-    a = base.clone(); wgrad_accumulate_(a, g, x); b = base.clone(); wgrad_accumulate_reference(b, g, x)
+    a = base.clone(); wgrad_accumulate_(a, g, x, torch.tensor([False])); b = base.clone(); wgrad_accumulate_reference(b, g, x, False)
     exact = base.double() + g.double().t() @ x.double()
     def t(fn):
-        m = base.clone(); fn(m, g, x); torch.cuda.synchronize(); s = time.perf_counter()
-        for _ in range(20): fn(m, g, x)
+        f = (lambda m: fn(m, g, x, torch.tensor([False]))) if fn is wgrad_accumulate_ else (lambda m: fn(m, g, x, False))
+        m = base.clone(); f(m); torch.cuda.synchronize(); s = time.perf_counter()
+        for _ in range(20): f(m)
         torch.cuda.synchronize(); return (time.perf_counter() - s) / 20 * 1e3
     print(f"wgrad {n}x{o}x{i}: fused supported={_FusedSupport.ok} err fused {(a.double()-exact).abs().max().item():.3e} "
           f"reference {(b.double()-exact).abs().max().item():.3e} | ms fused {t(wgrad_accumulate_):.3f} reference(mm+add) {t(wgrad_accumulate_reference):.3f} "
