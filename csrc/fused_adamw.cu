@@ -139,7 +139,7 @@ struct Fp8IO {
       c = __fmul_rn(__fsqrt_rn(mx), __fsqrt_rn(mn));
       const float log2r = log2f(__fdiv_rn(mx, mn));
       k = __fdiv_rn(floorf(__fdiv_rn(A.k16, log2r)), 16.f);  // k16 / 0 = inf: capped next
-      k = fminf(k, A.kmax);
+      k = fminf(fmaxf(k, 0.0625f), A.kmax);  // 1/16 when R overflows fp32 (k = 0), the cap when R = 1
       s = __fdiv_rn(powf(__fdiv_rn(mx, c), k), 448.f);
     } else {
       s = __fdiv_rn(mx, 448.f);

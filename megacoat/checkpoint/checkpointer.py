@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, MegacoatConfig
-from .collect import MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
+from .collect import GROUP_SIZE, MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
 from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, copy_file_durably, fsync_dir,
                      resolve_checkpoint_dir)
 from .layout import layout_of_parameter
@@ -123,24 +123,78 @@ def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank
             reader.read_into(MODEL_KIND, p.global_name, target, tp_rank, 0, flat.numel(), flat)
 
 
-def load_optimizer_state(reader: CheckpointReader, model, optimizer, tp_rank: int, tp_size: int) -> None:
-    """Masters, moments and codec states into this rank's ranges, whatever layout saved them."""
-    for r in optimizer.state_ranges():
-        name = r.param.global_name
-        stored = set(reader.optimizer_states(name))
-        if stored != set(r.tensors):
-            raise CheckpointError(f"optimizer state of {name}: the checkpoint holds {sorted(stored)}, this optimizer "
-                                  f"{sorted(r.tensors)}; the optimizer or its state format differs from the saved "
-                                  "one: use the same flags, or --no-load-optim to load weights only")
-        target = layout_of_parameter(r.param, tp_size, model.vocab_size)
+def load_optimizer_state(reader: CheckpointReader, model, optimizer, tp_rank: int, tp_size: int, log=None) -> None:
+    """Masters, moments and codec states into this rank's ranges, whatever layout saved them.
+
+    The saved state format loads as it is when it matches the optimizer's (at any DP size; FP8
+    group statistics need the same TP layout). Otherwise (fp32 <-> bf16 <-> FP8 moments, or FP8
+    moments across TP sizes) the moments are read as fp32 (FP8 dequantized) and the optimizer
+    re-encodes them in its own format (`conversion_ranges`, `after_load`)."""
+    ranges = optimizer.state_ranges()
+    direct = [_loads_directly(reader, model, r, tp_size) for r in ranges]
+    if all(direct):
+        for r in ranges:
+            _load_range(reader, model, r, tp_rank, tp_size)
+        return
+    convert = getattr(optimizer, "conversion_ranges", None)
+    r = ranges[direct.index(False)]
+    stored = sorted(reader.optimizer_states(r.param.global_name))
+    if convert is None or not _convertible(stored):
+        raise CheckpointError(f"optimizer state of {r.param.global_name}: the checkpoint holds {stored}, this "
+                              f"optimizer {sorted({**r.tensors, **r.groups})}; the optimizer or its state format "
+                              "differs from the saved one: use the same flags, or --no-load-optim to load weights only")
+    with torch.no_grad():
+        for r in convert():
+            _load_converted(reader, model, optimizer, r, tp_rank, tp_size)
+    if log is not None:
+        log(f"optimizer states converted from the checkpoint's format ({', '.join(stored)}) to this run's "
+            "(moments read as fp32, FP8 dequantized, then re-encoded)")
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_FP8_PARTS = (".fp8", ".scale", ".exponent", ".centre")  # codes per element; s, k, c per group
+
+
+def _convertible(stored) -> bool:
+    return "master" in stored and all(m in stored or all(m + x in stored for x in _FP8_PARTS) for m in _MOMENTS)
+
+
+def _loads_directly(reader: CheckpointReader, model, r, tp_size: int) -> bool:
+    name = r.param.global_name
+    groups = getattr(r, "groups", {})
+    if set(reader.optimizer_states(name)) != set(r.tensors) | set(groups):
+        return False
+    if any(reader.stored_dtype(OPTIM_PREFIX + k, name) != t.dtype for k, t in {**r.tensors, **groups}.items()):
+        return False
+    return not groups or reader.same_local_layout(name, layout_of_parameter(r.param, tp_size, model.vocab_size))
+
+
+def _load_range(reader: CheckpointReader, model, r, tp_rank: int, tp_size: int) -> None:
+    name = r.param.global_name
+    target = layout_of_parameter(r.param, tp_size, model.vocab_size)
+    with torch.no_grad():
         for state, view in r.tensors.items():
-            kind = OPTIM_PREFIX + state
-            if reader.stored_dtype(kind, name) != view.dtype:
-                raise CheckpointError(f"optimizer state {state!r} of {name} is {reader.stored_dtype(kind, name)} in the "
-                                      f"checkpoint but {view.dtype} in this optimizer; the state format differs: use "
-                                      "the same flags, or --no-load-optim")
-            with torch.no_grad():
-                reader.read_into(kind, name, target, tp_rank, r.start, r.end, view)
+            reader.read_into(OPTIM_PREFIX + state, name, target, tp_rank, r.start, r.end, view)
+        g0, g1 = r.start // GROUP_SIZE, -(-r.end // GROUP_SIZE)
+        for state, view in getattr(r, "groups", {}).items():
+            reader.read_groups(OPTIM_PREFIX + state, name, tp_rank, g0, g1, view)
+
+
+def _load_converted(reader: CheckpointReader, model, optimizer, r, tp_rank: int, tp_size: int) -> None:
+    """fp32 master and moments (r.tensors) from whatever the checkpoint holds."""
+    name = r.param.global_name
+    target = layout_of_parameter(r.param, tp_size, model.vocab_size)
+    stored = set(reader.optimizer_states(name))
+    for state, view in r.tensors.items():
+        if state in stored:  # fp32 or bf16 per element (cast by read_into)
+            reader.read_into(OPTIM_PREFIX + state, name, target, tp_rank, r.start, r.end, view)
+            continue
+        parts = []
+        for i, x in enumerate(_FP8_PARTS):
+            kind = OPTIM_PREFIX + state + x
+            canon = reader.canonical(kind, name) if i == 0 else reader.canonical_per_element(kind, name, GROUP_SIZE)
+            parts.append(target.local_from_canonical(canon, tp_rank).reshape(-1)[r.start: r.end])
+        view.copy_(optimizer.dequantize_state(*parts))
 
 
 def masters_from_weights(optimizer) -> None:
@@ -232,7 +286,7 @@ class Checkpointer:
             load_model_weights(reader, trainer.model, ctx.tp_rank, ctx.tp_size)
             masters_from_weights(trainer.optimizer)
         else:
-            load_optimizer_state(reader, trainer.model, trainer.optimizer, ctx.tp_rank, ctx.tp_size)
+            load_optimizer_state(reader, trainer.model, trainer.optimizer, ctx.tp_rank, ctx.tp_size, self.log)
             trainer.optimizer.load_scalar_state(reader.common()["optimizer"])
             trainer.optimizer.after_load()
             # The saved weights themselves, not a rounding of the masters: under weight-difference

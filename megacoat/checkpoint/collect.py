@@ -9,7 +9,7 @@ ZeRO each DP rank writes exactly its shard.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +19,11 @@ from .layout import TensorLayout, layout_of_parameter
 
 MODEL_KIND = "model"
 OPTIM_PREFIX = "optim."
+# Per-group optimizer state (FP8 moments' scale, exponent, centre) covers groups of this many
+# elements of the TP-local flat tensor: a piece [a, b) of elements carries groups
+# [a // GROUP_SIZE, ceil(b / GROUP_SIZE)); owned ranges start at group boundaries (ZeRO buffers
+# align every parameter and shard to 128), so DP resharding reads whole groups.
+GROUP_SIZE = 128
 
 
 @dataclass
@@ -39,13 +44,15 @@ class HeldRange:
     start: int
     end: int
     states: Dict[str, torch.Tensor]
+    groups: Dict[str, torch.Tensor] = field(default_factory=dict)  # per group of GROUP_SIZE elements
 
 
 def held_ranges(model: torch.nn.Module, optimizer=None) -> List[HeldRange]:
     """Skips `tied_copy` parameters (the last pipeline stage's copy of the tied word embedding:
     the first stage holds the same values and writes them)."""
     if optimizer is not None:
-        return [HeldRange(r.param, r.start, r.end, dict(r.tensors)) for r in optimizer.state_ranges()
+        return [HeldRange(r.param, r.start, r.end, dict(r.tensors), dict(getattr(r, "groups", {})))
+                for r in optimizer.state_ranges()
                 if not getattr(r.param, "tied_copy", False)]
     return [HeldRange(p, 0, p.numel(), {}) for p in model.parameters() if not getattr(p, "tied_copy", False)]
 
@@ -95,7 +102,7 @@ def collect_pieces(ranges: List[HeldRange], tp_rank: int, tp_size: int, vocab_si
         layouts[r.param.global_name] = layout
         mine.append((r.param.global_name, tp_rank if layout.tp_size > 1 else 0, r.start, r.end))
         dtypes[f"{MODEL_KIND}/{r.param.global_name}"] = dtype_name(r.param.dtype)
-        for state, t in r.states.items():
+        for state, t in {**r.states, **r.groups}.items():
             dtypes[f"{OPTIM_PREFIX}{state}/{r.param.global_name}"] = dtype_name(t.dtype)
     pieces = []
     for r, (name, tp, _, _), owned in zip(ranges, mine, owned_intervals(mine)):
@@ -104,6 +111,12 @@ def collect_pieces(ranges: List[HeldRange], tp_rank: int, tp_size: int, vocab_si
             pieces.append(Piece(MODEL_KIND, name, tp, a, b, flat[a:b]))
             for state, t in r.states.items():
                 pieces.append(Piece(OPTIM_PREFIX + state, name, tp, a, b, t.detach()[a - r.start: b - r.start]))
+            if r.groups:
+                if a % GROUP_SIZE:
+                    raise RuntimeError(f"{name}: owned range [{a}, {b}) does not start a group of {GROUP_SIZE}")
+                g0, ga, gb = r.start // GROUP_SIZE, a // GROUP_SIZE, -(-b // GROUP_SIZE)
+                for state, t in r.groups.items():
+                    pieces.append(Piece(OPTIM_PREFIX + state, name, tp, ga, gb, t.detach()[ga - g0: gb - g0]))
     return layouts, dtypes, pieces
 
 

@@ -98,6 +98,23 @@ class CheckpointReader:
         locals_ = [self._read_local(kind, name, tp, 0, src.local_numel) for tp in range(src.tp_size)]
         return src.canonical_from_locals(locals_)
 
+    def read_groups(self, kind: str, name: str, tp_rank: int, g0: int, g1: int, out: torch.Tensor) -> None:
+        """Per-group state [g0, g1) of a TP rank's local tensor, saved at the same TP layout."""
+        src = self._layout(name)
+        out.copy_(self._read_local(kind, name, tp_rank if src.tp_size > 1 else 0, g0, g1))
+
+    def canonical_per_element(self, kind: str, name: str, group: int) -> torch.Tensor:
+        """A per-group state repeated over each group's elements, as a canonical tensor (for
+        resharding across TP sizes, where groups change)."""
+        src = self._layout(name)
+        n = src.local_numel
+        locals_ = [self._read_local(kind, name, tp, 0, -(-n // group)).repeat_interleave(group)[:n]
+                   for tp in range(src.tp_size)]
+        return src.canonical_from_locals(locals_)
+
+    def same_local_layout(self, name: str, target: TensorLayout) -> bool:
+        return self._layout(name).same_local_layout(target)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()

@@ -112,6 +112,9 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
         decay = decay_table(spans, self.master_flat.numel(), self.master_flat.device)
         return PrecisionAwareAdamW(self.master_flat, chunks, decay, self.cfg, *formats)
 
+    def _flat_spans(self):
+        return [(self._flat_offset(s), self._flat_offset(s) + s.master.numel()) for s in self.segments]
+
     def _flat_offset(self, s: Segment) -> int:
         return s.master.storage_offset() - self.master_flat.storage_offset()
 

@@ -36,6 +36,7 @@ K16 = float(torch.tensor(16 * math.log2(FP8_MAX * FP8_MAX / 2), dtype=torch.floa
 # the group minimum collapse to 0, so k is capped. A constant or all-zero group (R = 1, k = inf)
 # takes the cap; its values then quantize to +-448 (or 0) and dequantize to themselves.
 K_MAX = 1024.0
+K_MIN = 1.0 / 16
 FORMATS = ("fp32", "bf16", "fp8")
 
 
@@ -70,7 +71,8 @@ def group_stats(x: torch.Tensor, expand: bool):
     c = torch.sqrt(mx) * torch.sqrt(mn)       # geometric centre (sqrt(mx * mn) could underflow)
     log2r = log2_32(mx / mn)                  # >= 0; 0 for constant and all-zero groups
     k = torch.floor(torch.full_like(log2r, K16) / log2r) / 16   # K16 / 0 = inf -> capped below
-    k = torch.minimum(k, torch.full_like(k, K_MAX))
+    # R overflows fp32 (inf, k = 0) when max/min > 3e38: take the smallest k, 1/16.
+    k = torch.clamp(k, min=K_MIN, max=K_MAX)
     s = pow32(mx / c, k) / torch.full_like(mx, FP8_MAX)
     return s, k, c
 
@@ -314,6 +316,7 @@ class PrecisionAwareAdamW:
         if dev.type == "cuda" and use_kernel is not False and kernel_supports(self.m, self.v, self.chunks):
             self.ext = fused_extension()
         self._compiled = None
+        self._incoming = None  # fp32 moments being loaded from a checkpoint of another format
 
     @property
     def writes_weights(self) -> bool:
@@ -366,8 +369,25 @@ class PrecisionAwareAdamW:
             self._compiled = _maybe_compile(_reference_with_skip)
         self._compiled(self, lr, coeff, found_inf)
 
+    def conversion_states(self, a: int, b: int) -> Dict[str, torch.Tensor]:
+        """fp32 per-element moments [a, b) to load a checkpoint of another state format into;
+        after_load() re-encodes them in this codec's formats."""
+        if self._incoming is None:
+            n, dev = self.master.numel(), self.master.device
+            self._incoming = (torch.zeros(n, device=dev), torch.zeros(n, device=dev))
+        return {"exp_avg": self._incoming[0][a:b], "exp_avg_sq": self._incoming[1][a:b]}
+
+    @torch.no_grad()
     def after_load(self) -> None:
-        """States were written through range_states (nothing to convert)."""
+        """Re-encode moments loaded through conversion_states (in slices: bounded temporaries)."""
+        if self._incoming is None:
+            return
+        groups, step = self.master.numel() // GROUP, 1 << 18
+        for ms, x in zip((self.m, self.v), self._incoming):
+            for g0 in range(0, groups, step):
+                g1 = min(groups, g0 + step)
+                ms.store(g0, g1, x[g0 * GROUP: g1 * GROUP].view(-1, GROUP))
+        self._incoming = None
 
     # ------------------------------------------------------------------ checkpoint interface
     def range_states(self, a: int, b: int):

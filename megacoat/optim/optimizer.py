@@ -24,7 +24,8 @@ from ..config import OptimizerConfig
 from ..parallel.context import ParallelContext
 from .buffers import GradBuffer
 from .adamw import Fp32AdamW
-from .fp8_adam import Chunk, PrecisionAwareAdamW, choose_state_formats, decay_table, round_up_group
+from .fp8_adam import (Chunk, PrecisionAwareAdamW, choose_state_formats, decay_table, dequantize_groups,
+                       round_up_group)
 from .clip import global_grad_norm
 
 
@@ -79,6 +80,23 @@ class CodecScalars:
 
     def load_scalar_state(self, d: dict) -> None:
         self.codec.load_scalar_state(d)
+
+    def dequantize_state(self, codes, s, k, c) -> torch.Tensor:
+        """fp32 values of FP8 moment codes with per-element s, k, c (loading a checkpoint saved in
+        another state format or TP layout)."""
+        return dequantize_groups(codes, s, k, c, expand=True)
+
+    def conversion_ranges(self) -> List["ParamStateRange"]:
+        """Ranges with fp32 "master", "exp_avg", "exp_avg_sq" to load a checkpoint of another state
+        format into; after_load() re-encodes them (torch's AdamW holds fp32 moments already)."""
+        ranges = self.state_ranges()
+        if not getattr(self, "flat", False):
+            return ranges
+        out = []
+        for r, (a, b) in zip(ranges, self._flat_spans()):
+            out.append(ParamStateRange(r.param, r.start, r.end,
+                                       {"master": r.tensors["master"], **self.codec.conversion_states(a, b)}))
+        return out
 
 
 class PreSyncParams:
@@ -233,6 +251,9 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
 
     def describe(self) -> str:
         return self.codec.formats() if self.flat else "exp_avg fp32, exp_avg_sq fp32 (torch AdamW)"
+
+    def _flat_spans(self):
+        return [(off, off + p.numel()) for p, off in zip(self.params, self.offsets)]
 
     @torch.no_grad()
     def after_load(self) -> None:
