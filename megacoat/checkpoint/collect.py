@@ -34,6 +34,7 @@ class Piece:
     start: int                # flat range of the TP-local tensor
     end: int
     tensor: torch.Tensor      # 1-D, end - start elements (a live view until snapshotted)
+    group: int = 1            # > 1: per-group state, start/end count groups of this many elements
 
 
 @dataclass
@@ -116,7 +117,8 @@ def collect_pieces(ranges: List[HeldRange], tp_rank: int, tp_size: int, vocab_si
                     raise RuntimeError(f"{name}: owned range [{a}, {b}) does not start a group of {GROUP_SIZE}")
                 g0, ga, gb = r.start // GROUP_SIZE, a // GROUP_SIZE, -(-b // GROUP_SIZE)
                 for state, t in r.groups.items():
-                    pieces.append(Piece(OPTIM_PREFIX + state, name, tp, ga, gb, t.detach()[ga - g0: gb - g0]))
+                    pieces.append(Piece(OPTIM_PREFIX + state, name, tp, ga, gb, t.detach()[ga - g0: gb - g0],
+                                        GROUP_SIZE))
     return layouts, dtypes, pieces
 
 

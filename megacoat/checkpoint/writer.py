@@ -45,7 +45,7 @@ def plan_offsets(pieces: List[Piece]) -> (List[int], int):
 def piece_records(pieces: List[Piece], offsets: List[int], crcs: List[List[int]], file: str) -> List[dict]:
     return [{"kind": p.kind, "name": p.name, "tp_rank": p.tp_rank, "start": p.start, "end": p.end,
              "dtype": dtype_name(p.tensor.dtype), "file": file, "offset": o,
-             "nbytes": p.tensor.numel() * p.tensor.element_size(), "crc32": c}
+             "nbytes": p.tensor.numel() * p.tensor.element_size(), "crc32": c, **({"group": p.group} if p.group > 1 else {})}
             for p, o, c in zip(pieces, offsets, crcs)]
 
 
@@ -148,7 +148,8 @@ def merge_index(contributions: List[RankSave]) -> (Dict[str, dict], Dict[str, di
         for tp in range(lay.tp_size):
             spans = [(r["start"], r["end"]) for r in entry["pieces"] if r["tp_rank"] == tp]
             covered = sum(e - s for s, e in spans)
-            if covered != lay.local_numel:  # owned_intervals makes them disjoint, so a sum suffices
+            group = max([r.get("group", 1) for r in entry["pieces"]] or [1])  # per-group state: group counts
+            if covered != -(-lay.local_numel // group):  # owned_intervals makes them disjoint: a sum suffices
                 raise CheckpointError(f"internal error: pieces of {key} (TP rank {tp}) cover {covered} of "
                                       f"{lay.local_numel} elements; the checkpoint would be incomplete")
     return layouts, tensors
