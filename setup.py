@@ -25,14 +25,38 @@ def _cpp_extensions():
     return exts
 
 
+# CUDA C++ kernels of csrc/ (sm_90), built without --use_fast_math where they must match their torch
+# references bit for bit. Without a build they are compiled on first use (megacoat.kernels.cuda_ext).
+CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"]}
+CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
+
+
+def _cuda_extensions():
+    """(extensions, torch's BuildExtension) when torch with CUDA and nvcc exist in the build
+    environment; else ([], None), silently: pip's build isolation usually has no torch, and a CPU
+    install must never pull a CUDA torch. MEGACOAT_NO_CUDA_EXT=1 skips them."""
+    if os.environ.get("MEGACOAT_NO_CUDA_EXT") == "1" or os.environ.get("MEGACOAT_NO_EXT") == "1":
+        return [], None
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except Exception:  # noqa: BLE001 - no torch here: nothing to build
+        return [], None
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return [], None
+    exts = [CUDAExtension(name, srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": CUDA_FLAGS})
+            for name, srcs in CUDA_EXTENSIONS.items() if all(os.path.exists(x) for x in srcs)]
+    return exts, BuildExtension
+
+
 class _OptionalBuildExt:
     """build_ext that warns instead of failing: compiled helpers are accelerators, never required."""
 
     @staticmethod
-    def make():
+    def make(base=None):
         from setuptools.command.build_ext import build_ext
 
-        class OptionalBuildExt(build_ext):
+        class OptionalBuildExt(base or build_ext):
             def run(self):
                 try:
                     super().run()
@@ -48,6 +72,8 @@ class _OptionalBuildExt:
 
         return OptionalBuildExt
 
+
+_CUDA_EXTS, _CUDA_BUILD = _cuda_extensions()
 
 setup(
     name="megacoat",
@@ -72,7 +98,7 @@ setup(
         "hf": ["transformers", "tokenizers"],
     },
     setup_requires=[],
-    ext_modules=_cpp_extensions(),
-    cmdclass={"build_ext": _OptionalBuildExt.make()},
+    ext_modules=_cpp_extensions() + _CUDA_EXTS,
+    cmdclass={"build_ext": _OptionalBuildExt.make(_CUDA_BUILD)},
     zip_safe=False,
 )

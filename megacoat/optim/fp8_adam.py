@@ -367,7 +367,15 @@ class PrecisionAwareAdamW:
             warnings.warn("megacoat: the fused AdamW kernel is not available for these state formats or "
                           "this build: running the PyTorch reference (compiled)", stacklevel=3)
             self._compiled = _maybe_compile(_reference_with_skip)
-        self._compiled(self, lr, coeff, found_inf)
+        try:
+            self._compiled(self, lr, coeff, found_inf)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must leave the eager reference running
+            if self._compiled is _reference_with_skip:
+                raise
+            warnings.warn(f"megacoat: torch.compile of the AdamW reference failed ({type(e).__name__}); eager",
+                          stacklevel=3)
+            self._compiled = _reference_with_skip
+            self._compiled(self, lr, coeff, found_inf)
 
     def conversion_states(self, a: int, b: int) -> Dict[str, torch.Tensor]:
         """fp32 per-element moments [a, b) to load a checkpoint of another state format into;
