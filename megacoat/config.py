@@ -69,7 +69,9 @@ class ParallelConfig:
     ranks_per_node: Optional[int] = _f(
         None, "Ranks per node for the two-level data-parallel groups. Default: $LOCAL_WORLD_SIZE (torchrun), else the world size.")
     distributed_backend: str = _f("auto", "torch.distributed backend: auto = nccl on GPU, gloo on CPU.", choices=["auto", "nccl", "gloo"])
-    distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, minutes.")
+    distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, minutes: when a rank dies, the "
+                                                  "others stop with an error within this time instead of hanging.")
+    world_size: Optional[int] = _f(None, "With --dry-run: the number of ranks to plan for (default: the launched world).")
     use_distributed_optimizer: bool = _f(False, "ZeRO: shard fp32 master weights and optimizer states over DP ranks.")
     overlap_grad_reduce: bool = _f(False, "Reduce-scatter each gradient bucket as soon as its gradients are final "
                                           "(needs --use-distributed-optimizer).")
@@ -88,6 +90,12 @@ class OptimizerConfig:
     lr_warmup_iters: int = _f(20, "Linear warmup iterations.")
     lr_decay_style: str = _f("cosine", "Decay after warmup.", choices=["cosine", "linear", "constant"])
     lr_decay_iters: Optional[int] = _f(None, "Iterations over which to decay. Default: --train-iters.")
+    lr_warmup_samples: Optional[int] = _f(None, "Linear warmup over this many samples (with --train-samples; replaces "
+                                                "--lr-warmup-iters).")
+    lr_decay_samples: Optional[int] = _f(None, "Decay over this many samples (with --train-samples). Default: "
+                                               "--train-samples.")
+    lr_warmup_fraction: Optional[float] = _f(None, "Warmup as a fraction of the decay span (iterations or samples); "
+                                                   "replaces --lr-warmup-iters / --lr-warmup-samples.")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.95, "Adam beta2.")
@@ -172,6 +180,26 @@ class TrainingConfig:
     eval_interval: int = _f(100, "Evaluate on the validation set every this many iterations (0: never).")
     eval_iters: int = _f(10, "Validation iterations per evaluation.")
     exit_interval: Optional[int] = _f(None, "Stop after the iteration that is a multiple of this.")
+    train_samples: Optional[int] = _f(None, "Train on this many samples (instead of --train-iters; the schedule is "
+                                            "then counted in samples too).")
+    rampup_batch_size: list = _f([], "Batch-size ramp: START INCREMENT SAMPLES grows the global batch from START by "
+                                     "INCREMENT over SAMPLES consumed samples up to --global-batch-size "
+                                     "(needs --train-samples).", nargs="*")
+    exit_signal_handler: bool = _f(False, "On SIGTERM (SLURM preemption, --signal), save a checkpoint at the next "
+                                          "iteration boundary and exit 0.")
+    max_skipped_iterations: Optional[int] = _f(None, "Stop with an error after this many consecutive skipped "
+                                                     "(non-finite) steps; the last checkpoint stays intact.")
+    recompute_granularity: Optional[str] = _f(
+        None, "Activation recomputation: full = recompute whole transformer layers in backward; selective = only the "
+              "attention core.", choices=[None, "full", "selective"])
+    recompute_method: Optional[str] = _f(
+        None, "With --recompute-granularity full: uniform = checkpoint groups of --recompute-num-layers layers; "
+              "block = recompute the first --recompute-num-layers layers of each stage only.",
+        choices=[None, "uniform", "block"])
+    recompute_num_layers: Optional[int] = _f(None, "Layers per recomputed group (uniform) or recomputed layers per "
+                                                   "stage (block). Default: 1 (uniform), all (block).")
+    dry_run: bool = _f(False, "Plan the run without training: build the config, layout and buffer/bucket/shard plan "
+                              "under a fake process group and print per-rank memory and bytes sent per step.")
 
 
 @dataclass
@@ -180,6 +208,10 @@ class LoggingConfig:
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device used for MFU. Default: 989 (H100/H200 SXM dense bf16) on Hopper, else MFU is not printed.")
     wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project (needs `pip install wandb`).")
     wandb_exp_name: Optional[str] = _f(None, "W&B run name.")
+    wandb_entity: Optional[str] = _f(None, "W&B entity (team or user) that owns the project.")
+    wandb_save_dir: Optional[str] = _f(None, "Directory for W&B's local run files (WANDB_MODE=offline keeps the run "
+                                             "there; `wandb sync` uploads it later).")
+    tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard event files here (needs `pip install tensorboard`).")
     log_json: Optional[str] = _f(None, "Also append one JSON record per logged iteration to this file (rank printing the log).")
     log_pipeline_bubble: bool = _f(False, "Time each stage's forward/backward compute (CUDA events) and log, every "
                                           "--log-interval, the measured pipeline bubble per stage next to the theory "
@@ -196,6 +228,8 @@ class CheckpointConfig:
     finetune: bool = _f(False, "Load model weights only and start at iteration 0 (fresh optimizer, scheduler, data).")
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time (checked at --log-interval iterations).")
     use_checkpoint_args: bool = _f(False, "Take the model architecture (and tokenizer) flags from the checkpoint in --load.")
+    save_retain: Optional[int] = _f(None, "Keep only the newest N checkpoints in --save (older iter_* directories "
+                                          "are deleted after each save).")
     async_save: bool = _f(False, "Write checkpoints in the background (one in flight; training stalls only for the copy to CPU).")
 
 
