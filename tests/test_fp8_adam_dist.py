@@ -102,7 +102,6 @@ def test_fp8_states_zero_dp2_checkpoint_resume_dp1_dp4_and_conversions(tmp_path)
     run_distributed(_train, 2, tmp)
     run_distributed(_resume, 1, tmp, FP8, True)     # DP=1 ZeRO
     run_distributed(_resume, 4, tmp, FP8, True)     # DP=4 ZeRO
-    run_distributed(_resume, 1, tmp, FP8, False)    # non-sharded optimizer
     run_distributed(_resume, 1, tmp, {}, False)     # fp32 states (torch AdamW on CPU): converted
     run_distributed(_resume, 2, tmp, dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
                                           exp_avg_sq_dtype="fp8"), True)   # another format: converted
