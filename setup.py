@@ -92,7 +92,8 @@ setup(
     ],
     extras_require={
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1, so they need triton.
-        "test": ["pytest", "transformers", "safetensors", "tokenizers", "triton; platform_system=='Linux'"],
+        "test": ["pytest", "transformers", "safetensors", "tokenizers", "triton; platform_system=='Linux'",
+                 "wandb", "tensorboard", "matplotlib"],  # the tracking and run-plot tests
         "triton": ["triton; platform_system=='Linux'"],
         "wandb": ["wandb"],
         "hf": ["transformers", "tokenizers"],

@@ -432,6 +432,9 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--ddp-bucket-size must be >= 1.")
     if p.ranks_per_node is not None and p.ranks_per_node < 1:
         errors.append("--ranks-per-node must be >= 1.")
+    lg = cfg.logging
+    if (lg.wandb_entity or lg.wandb_save_dir or lg.wandb_exp_name) and not lg.wandb_project:
+        errors.append("--wandb-entity / --wandb-save-dir / --wandb-exp-name need --wandb-project NAME.")
     errors += _method_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

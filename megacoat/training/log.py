@@ -18,6 +18,7 @@ import torch
 from ..config import MegacoatConfig
 from ..parallel.context import ParallelContext
 from .throughput import peak_memory_gib
+from .tracking import tracker_for
 
 
 def _sync(device):
@@ -83,14 +84,7 @@ class IterationLogger:
         self._steps = 0
         self._last_lr = 0.0
         self._t0 = None
-        self.wandb = None
-        if self.enabled and cfg.logging.wandb_project:
-            try:
-                import wandb
-            except ImportError as e:
-                raise RuntimeError("--wandb-project needs the wandb package: pip install 'megacoat[wandb]'") from e
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
-                                    config=cfg.to_dict())
+        self.trackers = tracker_for(cfg, self.enabled)  # W&B / TensorBoard (logging rank only)
         self.json_file = None  # opened by start(), once the iteration to start from is known
 
     def info(self, msg: str) -> None:
@@ -174,8 +168,8 @@ class IterationLogger:
             if self.json_file:
                 self.json_file.write(json.dumps(record) + "\n")
                 self.json_file.flush()
-            if self.wandb:
-                self.wandb.log(record, step=it)
+            if self.trackers:
+                self.trackers.log(record, step=it)
         self._sums, self._steps, self._bytes = None, 0, {}
         self._t0 = time.perf_counter()
 
@@ -189,15 +183,15 @@ class IterationLogger:
         if self.json_file:
             self.json_file.write(json.dumps({"iteration": iteration, "valid_loss": loss}) + "\n")
             self.json_file.flush()
-        if self.wandb:
-            self.wandb.log({"valid_loss": loss}, step=iteration)
+        if self.trackers:
+            self.trackers.log({"valid_loss": loss, "valid_ppl": ppl}, step=iteration)
         self._t0 = time.perf_counter()  # evaluation time is not training time
 
     def finish(self) -> None:
         if self.json_file:
             self.json_file.close()
-        if self.wandb:
-            self.wandb.finish()
+        if self.trackers:
+            self.trackers.finish()
 
 
 def print_config(cfg: MegacoatConfig, ctx: ParallelContext, precision: str, device, model, padded_vocab: int,

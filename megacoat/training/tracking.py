@@ -1,0 +1,92 @@
+"""Experiment trackers: Weights & Biases and TensorBoard, fed by the iteration logger.
+
+Only the rank that prints the log line (the last rank) creates trackers, so each figure is
+recorded once. Both are optional packages: asking for one that is not installed is a clear
+error at start-up, not a crash at the first log line.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional
+
+from ..config import ConfigError, MegacoatConfig
+
+
+def flatten_metrics(record: dict, prefix: str = "") -> Dict[str, float]:
+    """Numbers of a (nested) log record as flat 'a/b' keys; None, strings and the iteration are left out."""
+    out = {}
+    for k, v in record.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten_metrics(v, key + "/"))
+        elif isinstance(v, bool):
+            out[key] = float(v)
+        elif isinstance(v, (int, float)) and k != "iteration":
+            out[key] = v
+    return out
+
+
+class Trackers:
+    """The trackers the flags ask for; `log` sends one record to each of them."""
+
+    def __init__(self, cfg: MegacoatConfig):
+        lg = cfg.logging
+        self.wandb_run = None
+        self.tb_writer = None
+        if lg.wandb_project:
+            self.wandb_run = _start_wandb(cfg)
+        if lg.tensorboard_dir:
+            self.tb_writer = _start_tensorboard(lg.tensorboard_dir, cfg)
+
+    def log(self, record: dict, step: int) -> None:
+        metrics = flatten_metrics(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.tb_writer is not None:
+            for k, v in metrics.items():
+                self.tb_writer.add_scalar(k, v, global_step=step)
+            self.tb_writer.flush()
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+        if self.tb_writer is not None:
+            self.tb_writer.close()
+            self.tb_writer = None
+
+
+def _start_wandb(cfg: MegacoatConfig):
+    lg = cfg.logging
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("--wandb-project needs the wandb package: pip install wandb (or pip install "
+                          "'megacoat[wandb]'); WANDB_MODE=offline logs without a network.") from e
+    if lg.wandb_save_dir:
+        os.makedirs(lg.wandb_save_dir, exist_ok=True)
+    # The resolved config (defaults filled in by validation) is the run's config.
+    return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, name=lg.wandb_exp_name,
+                      dir=lg.wandb_save_dir, config=cfg.to_dict())
+
+
+def _start_tensorboard(log_dir: str, cfg: MegacoatConfig):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch.utils.tensorboard imports the tensorboard package
+        raise ConfigError(f"--tensorboard-dir {log_dir} needs the tensorboard package: pip install tensorboard "
+                          "(or drop --tensorboard-dir).") from e
+    writer = SummaryWriter(log_dir=log_dir)
+    writer.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```", 0)
+    return writer
+
+
+def tracker_for(cfg: MegacoatConfig, enabled: bool) -> Optional[Trackers]:
+    """Trackers on the logging rank when any is asked for; None elsewhere."""
+    lg = cfg.logging
+    if not (lg.wandb_project or lg.wandb_entity or lg.wandb_save_dir or lg.tensorboard_dir):
+        return None
+    if not enabled:
+        return None
+    return Trackers(cfg)
