@@ -6,6 +6,18 @@ from fp8_oracle import FMAX, round_fp8_oracle, scale_oracle
 from megacoat.precision import fp8
 
 
+def _fp32(v: float) -> float:
+    """float64 -> the nearest fp32 value (as a Python float)."""
+    return torch.tensor(v, dtype=torch.float64).float().item()
+
+
+def _round_up_bf16_oracle(s: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16 value >= s (positive float64), from the exponent: bf16 steps are 2^(e - 8)."""
+    _, e = torch.frexp(s)
+    step = torch.pow(2.0, (e - 8).double())
+    return torch.ceil(s / step) * step
+
+
 def _data(shape, seed, dtype=torch.bfloat16, outliers=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g).exp()
@@ -25,8 +37,8 @@ def test_tensorwise_matches_float64_oracle(fmt, shape):
     q, qt, scale = fp8.quantize_tensorwise(x, fmt)
     assert q.dtype == fp8.get_format(fmt).dtype and qt.numel() == 0
     s64 = scale_oracle(x.double().abs().max().item(), fmt)
-    assert abs(scale.item() - s64) <= 1e-7 * s64  # fp32 rounding of the same formula
-    v = (x.double() / scale.double()).float().double()  # the IEEE fp32 quotient
+    assert scale.item() == _fp32(s64)  # the IEEE fp32 quotient, exactly (no reciprocal shortcut)
+    v = (x.double() * _fp32(1.0 / scale.item())).float().double()  # x * fp32(1/scale), rounded to fp32
     expect = round_fp8_oracle(v, fmt)
     assert torch.equal(q.double(), expect)
     # the largest element maps to the top of the range (scale is just-in-time)
@@ -61,16 +73,19 @@ def test_1x16_matches_float64_oracle(fmt, shape):
     q, s = fp8.quantize_1x16(x, fmt)
     k = shape[-1]
     g = (k + 15) // 16
-    assert q.shape == x.shape and s.shape == (*shape[:-1], g) and s.dtype == torch.float32
+    assert q.shape == x.shape and s.shape == (*shape[:-1], g) and s.dtype == torch.bfloat16
     x64 = x.double()
     for j in range(g):  # each group independently, straight from the definition
         blk = x64[..., j * 16:(j + 1) * 16]
-        s64 = (blk.abs().amax(-1) + 1e-12) / FMAX[fmt]
-        assert torch.allclose(s[..., j].double(), s64, rtol=1e-7, atol=0)
-        v = (blk / s[..., j].double().unsqueeze(-1)).float().double()
+        s32 = ((blk.abs().amax(-1) + 1e-12) / FMAX[fmt]).float().double()  # the fp32 scale
+        assert torch.equal(s[..., j].double(), _round_up_bf16_oracle(s32))  # rounded up to bf16
+        assert (s[..., j].double() >= s32).all()
+        r = (1.0 / s[..., j].double()).float().double()  # fp32 reciprocal
+        v = (blk * r.unsqueeze(-1)).float().double()
         assert torch.equal(q[..., j * 16:(j + 1) * 16].double(), round_fp8_oracle(v, fmt))
     deq = fp8.dequantize_1x16(q, s, torch.float32).double()
     expect = q.double() * s.double().repeat_interleave(16, -1)[..., :k]
+    assert (q.double().abs() <= FMAX[fmt]).all() and not torch.isnan(q.double()).any()
     assert torch.equal(deq, expect.float().double())
 
 
@@ -97,6 +112,8 @@ def test_bad_input_messages():
         fp8.quantize_1x16(torch.ones(2, 16), "e3m4")
     with pytest.raises(ValueError, match="2-D"):
         fp8.cast_tensorwise(torch.ones(2, 3, 16), torch.tensor(1.0), "e4m3", True)
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        fp8.cast_tensorwise(torch.ones(2, 16), torch.tensor(1.0), "fp8", False)
     q, s = fp8.quantize_1x16(torch.ones(2, 32), "e4m3")
     with pytest.raises(ValueError, match="do not match"):
         fp8.dequantize_1x16(q, s[:, :1], torch.float32)

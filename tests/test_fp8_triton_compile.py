@@ -27,18 +27,20 @@ def comp(fn, sig, consts, warps=4):
     return k
 
 
-comp(Q.amax_partial_kernel, dict(x_ptr=bf, out_ptr=f32, n=i32), dict(BLOCK=4096), 8)
+k = comp(Q.amax_kernel, dict(x_ptr=bf, out_ptr=f32, n=i32), dict(BLOCK=4096, ITERS=4), 8)
+assert "atom" in k.asm["ptx"] or "red." in k.asm["ptx"]  # one atomic max per program
 for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
     for t in (False, True):
-        k = comp(Q.cast_kernel, dict(x_ptr=bf, scale_ptr=f32, q_ptr=qty, qt_ptr=qty, M=i32, K=i32, stride_x=i32),
-                 dict(FMAX=fmax, TRANSPOSE=t, BM=64, BK=128), 8)
+        k = comp(Q.cast_kernel, dict(x_ptr=bf, amax_ptr=f32, scale_ptr=f32, q_ptr=qty, qt_ptr=qty, M=i32, K=i32,
+                                     stride_x=i32), dict(FMAX=fmax, EPS=1e-12, TRANSPOSE=t, BM=128, BK=128), 8)
         assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
-    comp(Q.quantize_1x16_kernel, dict(x_ptr=bf, q_ptr=qty, s_ptr=f32, M=i32, K=i32, G=i32, stride_x=i32),
-         dict(FMAX=fmax, EPS=1e-12, BM=16, BG=16))
-    comp(Q.dequantize_1x16_kernel, dict(q_ptr=qty, s_ptr=f32, y_ptr=bf, M=i32, K=i32, G=i32), dict(BM=16, BG=16))
-norm_sig = dict(x_ptr=bf, r_ptr=bf, s_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=f32, rstd_ptr=f32,
+    k = comp(Q.quantize_1x16_kernel, dict(x_ptr=bf, q_ptr=qty, s_ptr=bf, M=i32, K=i32, G=i32, stride_x=i32),
+             dict(FMAX=fmax, EPS=1e-12, BM=32, BG=16), 8)
+    assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
+    comp(Q.dequantize_1x16_kernel, dict(q_ptr=qty, s_ptr=bf, y_ptr=bf, M=i32, K=i32, G=i32), dict(BM=32, BG=16), 8)
+norm_sig = dict(x_ptr=bf, r_ptr=bf, s_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32,
                 mean_ptr=f32, amax_ptr=f32, M=i32, K=i32, G=i32, eps="fp32")
-bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=f32, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dx_ptr=bf, dw_ptr=f32,
+bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dx_ptr=bf, dw_ptr=f32,
                db_ptr=f32, M=i32, K=i32, G=i32, rows_per_prog=i32)
 for rms in (True, False):
     for res in (False, True):
@@ -47,14 +49,14 @@ for rms in (True, False):
     comp(A.norm_bwd_kernel, bwd_sig, dict(RMS=rms, HAS_BIAS=not rms, BR=1, BG=256), 8)
     comp(A.norm_fwd_kernel, norm_sig, dict(HAS_RES=True, RMS=rms, HAS_BIAS=False, FMAX=448.0, EPS=1e-12,
                                            BR=4, BG=32), 4)
-comp(A.swiglu_fwd_kernel, dict(h_ptr=bf, p_ptr=bf, q_ptr=f8, qs_ptr=f32, amax_ptr=f32, M=i32, F=i32, G=i32),
-     dict(FMAX=448.0, EPS=1e-12, BM=8, BG=16))
-comp(A.swiglu_bwd_kernel, dict(dp_ptr=bf, q_ptr=f8, qs_ptr=f32, dh_ptr=bf, M=i32, F=i32, G=i32), dict(BM=8, BG=16))
+comp(A.swiglu_fwd_kernel, dict(h_ptr=bf, p_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32),
+     dict(FMAX=448.0, EPS=1e-12, BM=16, BG=16))
+comp(A.swiglu_bwd_kernel, dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, M=i32, F=i32, G=i32), dict(BM=16, BG=16))
 for kind in (0, 1):
-    comp(A.act_fwd_kernel, dict(h_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=f32, amax_ptr=f32, M=i32, K=i32, G=i32),
-         dict(KIND=kind, FMAX=448.0, EPS=1e-12, BM=8, BG=16))
-    comp(A.act_bwd_kernel, dict(dy_ptr=bf, q_ptr=f8, qs_ptr=f32, dh_ptr=bf, M=i32, K=i32, G=i32),
-         dict(KIND=kind, BM=8, BG=16))
+    comp(A.act_fwd_kernel, dict(h_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, K=i32, G=i32),
+         dict(KIND=kind, FMAX=448.0, EPS=1e-12, BM=16, BG=16))
+    comp(A.act_bwd_kernel, dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, M=i32, K=i32, G=i32),
+         dict(KIND=kind, BM=16, BG=16))
 print("compiled all")
 '''
 

@@ -44,24 +44,26 @@ def test_quantizers(shape, fmt):
     x = _data(shape, 1)
     amax = K.amax(x)
     assert amax.item() == fp8.amax_reference(x).item()
-    scale = fp8.scale_from_amax(amax, fmt)
     x2 = x.reshape(-1, shape[-1])
-    q, qt = K.cast_tensorwise(x2, scale, fmt, True)
-    q_ref, _ = fp8.cast_tensorwise_reference(x2, scale, fmt, False)
+    q, qt, scale = K.cast_tensorwise(x2, amax, fmt, True)
+    q_ref, _, scale_ref = fp8.cast_tensorwise_reference(x2, amax, fmt, False)
+    assert torch.equal(scale, scale_ref)  # IEEE division in both
     assert_interpreted_fp8_close(q, q_ref)
     assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))  # one cast, two layouts
     g, s = K.quantize_1x16(x, fmt)
     g_ref, s_ref = fp8.quantize_1x16_reference(x, fmt)
-    assert torch.equal(s, s_ref)  # amax and IEEE division: exact
+    assert s.dtype == torch.bfloat16 and torch.equal(s, s_ref)  # amax, IEEE division, bit round-up: exact
     assert_interpreted_fp8_close(g, g_ref)
     assert torch.equal(K.dequantize_1x16(g, s, torch.float32), fp8.dequantize_1x16_reference(g, s, torch.float32))
 
 
-def test_amax_many_blocks():
-    x = _data((3 * K.AMAX_BLOCK + 17,), 2)
-    x[K.AMAX_BLOCK * 2 + 5] = -992.0  # exact in bf16
-    assert K.amax_partials(x).shape == (4,)
+def test_amax_many_programs():
+    per_prog = K.AMAX_BLOCK * K.AMAX_ITERS
+    x = _data((2 * per_prog + K.AMAX_BLOCK + 17,), 2)  # 3 programs, the last one partial
+    x[per_prog + 2 * K.AMAX_BLOCK + 5] = -992.0  # exact in bf16; in the middle program's third block
     assert K.amax(x).item() == 992.0
+    out = torch.full((), 2000.0)  # accumulates into the given scalar (atomic max): it keeps the larger value
+    assert K.amax_into(x, out).item() == 2000.0
 
 
 @pytest.mark.parametrize("rms", [True, False])

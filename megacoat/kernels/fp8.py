@@ -16,9 +16,12 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 EPS = 1e-12
 AMAX_BLOCK = 4096
+AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer programs, fewer atomics
 # Tile sizes and warps per kernel: (rows, cols or 16-groups, num_warps). A dict so that
 # benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use.
-TILES = {"cast": (64, 128, 8), "quantize_1x16": (16, 16, 4), "dequantize_1x16": (16, 16, 4)}
+# cast: 128x128 tiles so that each row of the transposed copy is written 128 bytes at a time.
+TILES = {"cast": (128, 128, 8), "quantize_1x16": (32, 16, 8), "dequantize_1x16": (32, 16, 8)}
+SCALE_DTYPE_1X16 = torch.bfloat16  # group scales, rounded up (see kernels/triton/fp8_quant.py)
 
 
 @lru_cache(maxsize=None)
@@ -44,29 +47,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
-def amax_partials(x: torch.Tensor) -> torch.Tensor:
-    """Stage one of the two-stage amax: max |x| per block of AMAX_BLOCK elements (fp32)."""
+def amax_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (a zeroed fp32 scalar) = max |x|: one launch, an atomic max per program."""
     x = x.contiguous().view(-1)
-    nblk = triton_cdiv(x.numel(), AMAX_BLOCK)
-    out = torch.empty(nblk, dtype=torch.float32, device=x.device)
-    _k().amax_partial_kernel[(nblk,)](x, out, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
+    per_prog = AMAX_BLOCK * AMAX_ITERS
+    _k().amax_kernel[(triton_cdiv(x.numel(), per_prog),)](x, out, x.numel(), BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
+                                                          num_warps=8)
     return out
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    return amax_partials(x).amax()  # stage two: a tiny reduction
+    return amax_into(x, torch.zeros((), dtype=torch.float32, device=x.device))
 
 
-def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: str, transpose: bool):
+def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool):
+    """-> (q, q of x.T or empty, fp32 scale): the scale is computed from `amax` inside the kernel."""
     x2 = _rows(x)
     m, k = x2.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
     qt = torch.empty((k, m) if transpose else (0,), dtype=FP8_DTYPE[fmt], device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
     bm, bk, warps = TILES["cast"]
     grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
-    _k().cast_kernel[grid](x2, scale.float().contiguous(), q, qt if transpose else q, m, k, x2.stride(0),
-                           FMAX=FP8_MAX[fmt], TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=warps)
-    return q.view(x.shape), qt
+    _k().cast_kernel[grid](x2, amax, scale, q, qt if transpose else q, m, k, x2.stride(0),
+                           FMAX=FP8_MAX[fmt], EPS=EPS, TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=warps)
+    return q.view(x.shape), qt, scale
 
 
 def quantize_1x16(x: torch.Tensor, fmt: str):
@@ -74,7 +79,7 @@ def quantize_1x16(x: torch.Tensor, fmt: str):
     m, k = x2.shape
     g = triton_cdiv(k, 16)
     q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
-    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    s = torch.empty((m, g), dtype=SCALE_DTYPE_1X16, device=x.device)
     bm, bg, warps = TILES["quantize_1x16"]
     grid = (triton_cdiv(m, bm), triton_cdiv(g, bg))
     _k().quantize_1x16_kernel[grid](x2, q, s, m, k, g, x2.stride(0), FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BG=bg,

@@ -29,7 +29,7 @@ import torch
 
 from ..kernels import fp8 as fp8_quant_kernels
 from ..kernels import fp8_act as act_kernels
-from .fp8 import dequantize_1x16_reference, quantize_1x16_reference
+from .fp8 import dequantize_1x16_reference, is_compiling, quantize_1x16_reference
 
 SAVE_FMT = "e4m3"  # forward activations are E4M3 (DESIGN 5.1)
 ACTIVATIONS = ("silu", "gelu")
@@ -156,8 +156,7 @@ def _kernel_ok(*tensors) -> bool:
             and all(t is None or t.numel() > 0 for t in tensors))
 
 
-@torch.library.custom_op("megacoat::fp8_norm_fwd", mutates_args=())
-def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+def _norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
               eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
     if _kernel_ok(x, residual, weight, bias):
@@ -165,80 +164,138 @@ def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
     return norm_fwd_reference(x, residual, weight, bias, eps, rms)
 
 
-@_norm_fwd.register_fake
+@torch.library.custom_op("megacoat::fp8_norm_fwd", mutates_args=())
+def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+              eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor, torch.Tensor]:
+    return _norm_fwd_impl(x, residual, weight, bias, eps, rms)
+
+
+def _norm_fwd(x, residual, weight, bias, eps, rms):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_norm_fwd_op if is_compiling() else _norm_fwd_impl)(x, residual, weight, bias, eps, rms)
+
+
+@_norm_fwd_op.register_fake
 def _(x, residual, weight, bias, eps, rms):
     lead, k = x.shape[:-1], x.shape[-1]
     return (x.new_empty(x.shape) if residual is not None else x.new_empty(0), x.new_empty(x.shape),
             x.new_empty((), dtype=torch.float32), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-            x.new_empty((*lead, (k + 15) // 16), dtype=torch.float32), x.new_empty(lead, dtype=torch.float32),
+            x.new_empty((*lead, (k + 15) // 16), dtype=torch.bfloat16), x.new_empty(lead, dtype=torch.float32),
             x.new_empty(lead if not rms else (0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("megacoat::fp8_norm_bwd", mutates_args=())
-def _norm_bwd(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
+def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
               weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernel_ok(dy, xq, xs, rstd, weight):
         return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms)
     return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms)
 
 
-@_norm_bwd.register_fake
+@torch.library.custom_op("megacoat::fp8_norm_bwd", mutates_args=())
+def _norm_bwd_op(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
+              weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+
+
+def _norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias, rms):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_norm_bwd_op if is_compiling() else _norm_bwd_impl)(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+
+
+@_norm_bwd_op.register_fake
 def _(dy, xq, xs, rstd, mean, weight, has_bias, rms):
     return dy.new_empty(dy.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else (0,))
 
 
-@torch.library.custom_op("megacoat::fp8_swiglu_fwd", mutates_args=())
-def _swiglu_fwd(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _swiglu_fwd_impl(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernel_ok(h):
         return act_kernels.swiglu_fwd(h)
     return swiglu_fwd_reference(h)
 
 
-@_swiglu_fwd.register_fake
+@torch.library.custom_op("megacoat::fp8_swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _swiglu_fwd_impl(h)
+
+
+def _swiglu_fwd(h):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_swiglu_fwd_op if is_compiling() else _swiglu_fwd_impl)(h)
+
+
+@_swiglu_fwd_op.register_fake
 def _(h):
     f = h.shape[-1] // 2
     lead = h.shape[:-1]
     return (h.new_empty((*lead, f)), h.new_empty((), dtype=torch.float32),
             h.new_empty((*lead, 2, f), dtype=torch.float8_e4m3fn),
-            h.new_empty((*lead, 2, (f + 15) // 16), dtype=torch.float32))
+            h.new_empty((*lead, 2, (f + 15) // 16), dtype=torch.bfloat16))
 
 
-@torch.library.custom_op("megacoat::fp8_swiglu_bwd", mutates_args=())
-def _swiglu_bwd(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
     if _kernel_ok(dp, hq, hs):
         return act_kernels.swiglu_bwd(dp.contiguous(), hq, hs)
     return swiglu_bwd_reference(dp, hq, hs)
 
 
-@_swiglu_bwd.register_fake
+@torch.library.custom_op("megacoat::fp8_swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+    return _swiglu_bwd_impl(dp, hq, hs)
+
+
+def _swiglu_bwd(dp, hq, hs):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_swiglu_bwd_op if is_compiling() else _swiglu_bwd_impl)(dp, hq, hs)
+
+
+@_swiglu_bwd_op.register_fake
 def _(dp, hq, hs):
     return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1]))
 
 
-@torch.library.custom_op("megacoat::fp8_act_fwd", mutates_args=())
-def _act_fwd(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _act_fwd_impl(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_act(kind)
     if _kernel_ok(h):
         return act_kernels.act_fwd(h, kind)
     return act_fwd_reference(h, kind)
 
 
-@_act_fwd.register_fake
+@torch.library.custom_op("megacoat::fp8_act_fwd", mutates_args=())
+def _act_fwd_op(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _act_fwd_impl(h, kind)
+
+
+def _act_fwd(h, kind):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_act_fwd_op if is_compiling() else _act_fwd_impl)(h, kind)
+
+
+@_act_fwd_op.register_fake
 def _(h, kind):
     return (h.new_empty(h.shape), h.new_empty((), dtype=torch.float32),
             h.new_empty(h.shape, dtype=torch.float8_e4m3fn),
-            h.new_empty((*h.shape[:-1], (h.shape[-1] + 15) // 16), dtype=torch.float32))
+            h.new_empty((*h.shape[:-1], (h.shape[-1] + 15) // 16), dtype=torch.bfloat16))
 
 
-@torch.library.custom_op("megacoat::fp8_act_bwd", mutates_args=())
-def _act_bwd(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str) -> torch.Tensor:
+def _act_bwd_impl(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str) -> torch.Tensor:
     _check_act(kind)
     if _kernel_ok(dy, hq, hs):
         return act_kernels.act_bwd(dy.contiguous(), hq, hs, kind)
     return act_bwd_reference(dy, hq, hs, kind)
 
 
-@_act_bwd.register_fake
+@torch.library.custom_op("megacoat::fp8_act_bwd", mutates_args=())
+def _act_bwd_op(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str) -> torch.Tensor:
+    return _act_bwd_impl(dy, hq, hs, kind)
+
+
+def _act_bwd(dy, hq, hs, kind):
+    """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
+    return (_act_bwd_op if is_compiling() else _act_bwd_impl)(dy, hq, hs, kind)
+
+
+@_act_bwd_op.register_fake
 def _(dy, hq, hs, kind):
     return dy.new_empty(dy.shape)
 

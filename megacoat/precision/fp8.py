@@ -1,17 +1,23 @@
 """FP8 formats and the one quantizer every caller uses (DESIGN 5.1).
 
 - E4M3 (max 448) for weights and forward activations, E5M2 (max 57344) for gradients.
-- Just-in-time scaling: `scale = (amax + EPS) / fp8_max` in fp32, `q = sat(x / scale)` rounded to
-  nearest even, saturating at +-fp8_max. The scale is kept exactly as used (dequant: `q * scale`).
+- Just-in-time scaling: `scale = (amax + EPS) / fp8_max` (fp32, IEEE division on every device),
+  `q = sat(x * r)` with `r = 1 / scale` (fp32, IEEE), rounded to nearest even, saturating at
+  +-fp8_max. One multiply per element instead of a division (cheaper in the kernels; the reference
+  does the same, so the codes agree bit for bit). Dequantization: `q * scale`.
 - Per-tensor scaling (GEMM inputs) with an optional transposed copy (the weight-gradient GEMM
   wants both `x` and `x^T` row-major), and per-group 1x16 scaling along the last dim (inputs of
-  non-linear ops), with fp32 group scales `[..., ceil(K / 16)]`.
-- The per-tensor amax is two-stage: a pass emits per-block maxima, a tiny reduction takes the max
-  (the producing kernels of `activations.py` emit the maxima themselves, so no extra read).
+  non-linear ops) with bf16 group scales `[..., ceil(K / 16)]`, rounded *up* from the fp32 scale
+  (half the bytes of fp32 scales; rounding up keeps |x| / scale <= fp8_max, so no code saturates
+  and `q * scale` never exceeds the group's range by more than the rounding).
+- The per-tensor amax is reduced by the kernel that reads the tensor (an atomic max per program;
+  the producing kernels of `activations.py` emit it themselves, so no extra read), and the cast
+  kernel turns it into the scale: a quantization costs one launch and no host sync.
 
-Every function here is the plain-PyTorch reference *and* the public entry point: on a CUDA tensor
-with Triton available the same-signature kernel of `megacoat.kernels.fp8` runs instead. The public
-functions are `torch.library` custom ops, so `torch.compile` neither traces into nor breaks them.
+Every function here is the plain-PyTorch reference *or* the public entry point: on a CUDA tensor
+with Triton available the same-signature kernel of `megacoat.kernels.fp8` runs instead. Under
+`torch.compile` the public functions go through `torch.library` custom ops (compiled graphs keep
+them whole); eager calls skip the custom-op dispatch (its host cost is paid per call).
 """
 from __future__ import annotations
 
@@ -53,12 +59,26 @@ def num_groups(k: int) -> int:
 
 # ----------------------------------------------------------------------------- references
 def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Just-in-time scale (fp32) from an amax; also used by the kernels' callers (one definition)."""
-    return (amax.float() + EPS) / get_format(fmt).max
+    """Just-in-time scale (fp32): IEEE (amax + EPS) / fp8_max. A tensor divisor, not a Python number:
+    CUDA torch turns `t / number` into `t * (1 / number)` (off by one ulp half the time)."""
+    a = amax.float() + EPS
+    return torch.div(a, torch.full_like(a, get_format(fmt).max))
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 1 / scale, IEEE on every device (the kernels' div_rn(1, s))."""
+    s = scale.float()
+    return torch.div(torch.ones_like(s), s)
+
+
+def round_up_bf16(s: torch.Tensor) -> torch.Tensor:
+    """Positive finite fp32 values -> the smallest bf16 values >= them (exact integer bit arithmetic)."""
+    bits = s.float().contiguous().view(torch.int32)
+    return ((bits + 65535) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def cast_saturate(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values already divided by their scale -> fp8 codes (RNE, saturating; NaN stays NaN)."""
+    """fp32 values already multiplied by the reciprocal scale -> fp8 codes (RNE, saturating; NaN stays NaN)."""
     f = get_format(fmt)
     return scaled.clamp(-f.max, f.max).to(f.dtype)
 
@@ -70,27 +90,26 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
-def cast_tensorwise_reference(x: torch.Tensor, scale: torch.Tensor, fmt: str,
-                              transpose: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q = sat(x / scale) with a per-tensor fp32 scale; with `transpose`, also q of x.T (2-D x)."""
-    q = cast_saturate(x.detach().float() / scale, fmt)
-    if not transpose:
-        return q, q.new_empty(0)
-    if x.dim() != 2:
+def cast_tensorwise_reference(x: torch.Tensor, amax: torch.Tensor, fmt: str,
+                              transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, q of x.T or empty, scale) with the per-tensor scale of `amax`; `transpose` needs a 2-D x."""
+    if transpose and x.dim() != 2:
         raise ValueError(f"the transposed FP8 copy needs a 2-D tensor, got shape {tuple(x.shape)}: flatten it first")
-    return q, q.t().contiguous()
+    scale = scale_from_amax(amax, fmt)
+    q = cast_saturate(x.detach().float() * reciprocal(scale), fmt)
+    return q, (q.t().contiguous() if transpose else q.new_empty(0)), scale
 
 
 def quantize_1x16_reference(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-group 1x16 along the last dim: (codes shaped like x, fp32 scales [..., ceil(K/16)])."""
+    """Per-group 1x16 along the last dim: (codes shaped like x, bf16 scales [..., ceil(K/16)])."""
     k = x.shape[-1]
     g = num_groups(k)
     xf = x.detach().float()
     if g * GROUP != k:  # the last group is partial: pad with zeros (they never raise the amax)
         xf = torch.nn.functional.pad(xf, (0, g * GROUP - k))
     xg = xf.reshape(*x.shape[:-1], g, GROUP)
-    scales = scale_from_amax(xg.abs().amax(-1), fmt)
-    q = cast_saturate(xg / scales.unsqueeze(-1), fmt).reshape(*x.shape[:-1], g * GROUP)[..., :k]
+    scales = round_up_bf16(scale_from_amax(xg.abs().amax(-1), fmt))
+    q = cast_saturate(xg * reciprocal(scales).unsqueeze(-1), fmt).reshape(*x.shape[:-1], g * GROUP)[..., :k]
     return q.contiguous(), scales
 
 
@@ -99,85 +118,122 @@ def dequantize_1x16_reference(q: torch.Tensor, scales: torch.Tensor, dtype: torc
     g = scales.shape[-1]
     if g != num_groups(k):
         raise ValueError(f"1x16 scales of shape {tuple(scales.shape)} do not match codes of shape {tuple(q.shape)}")
-    per_elem = scales.repeat_interleave(GROUP, dim=-1)[..., :k]
+    per_elem = scales.float().repeat_interleave(GROUP, dim=-1)[..., :k]
     return (q.float() * per_elem).to(dtype)
 
 
 # ----------------------------------------------------------------------------- dispatch
+def is_compiling() -> bool:
+    fn = getattr(torch.compiler, "is_compiling", None)
+    if fn is None:  # torch < 2.3
+        import torch._dynamo as dynamo
+        fn = dynamo.is_compiling
+    return fn()
+
+
 def _kernel_ok(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and fp8_kernels.available()
 
 
-def _check_fmt(fmt: str) -> None:
-    get_format(fmt)
-
-
-@torch.library.custom_op("megacoat::fp8_amax", mutates_args=())
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| (fp32, 0-d), two-stage on the GPU (per-block maxima, then their max)."""
+def _amax_impl(x: torch.Tensor) -> torch.Tensor:
     if _kernel_ok(x) and x.numel() > 0:
         return fp8_kernels.amax(x)
     return amax_reference(x)
 
 
-@amax.register_fake
-def _(x):
-    return x.new_empty((), dtype=torch.float32)
+def _cast_impl(x, amax_t, fmt, transpose):
+    get_format(fmt)
+    if transpose and x.dim() != 2:
+        raise ValueError(f"the transposed FP8 copy needs a 2-D tensor, got shape {tuple(x.shape)}: flatten it first")
+    if _kernel_ok(x, amax_t) and x.numel() > 0:
+        return fp8_kernels.cast_tensorwise(x, amax_t.float().reshape(()), fmt, transpose)
+    return cast_tensorwise_reference(x, amax_t, fmt, transpose)
 
 
-@torch.library.custom_op("megacoat::fp8_cast_tensorwise", mutates_args=())
-def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: str,
-                    transpose: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q, q of x.T) with a given per-tensor scale; the second is empty unless `transpose`."""
-    _check_fmt(fmt)
-    if _kernel_ok(x, scale) and x.numel() > 0 and (x.dim() == 2 or not transpose):
-        return fp8_kernels.cast_tensorwise(x, scale, fmt, transpose)
-    return cast_tensorwise_reference(x, scale, fmt, transpose)
-
-
-@cast_tensorwise.register_fake
-def _(x, scale, fmt, transpose):
-    dt = get_format(fmt).dtype
-    q = x.new_empty(x.shape, dtype=dt)
-    return q, (x.new_empty((x.shape[1], x.shape[0]), dtype=dt) if transpose else x.new_empty(0, dtype=dt))
-
-
-@torch.library.custom_op("megacoat::fp8_quantize_1x16", mutates_args=())
-def quantize_1x16(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-group 1x16 quantization along the last dim -> (codes, fp32 group scales)."""
-    _check_fmt(fmt)
+def _quantize_1x16_impl(x, fmt):
+    get_format(fmt)
     if _kernel_ok(x) and x.numel() > 0:
         return fp8_kernels.quantize_1x16(x, fmt)
     return quantize_1x16_reference(x, fmt)
 
 
-@quantize_1x16.register_fake
-def _(x, fmt):
-    return (x.new_empty(x.shape, dtype=get_format(fmt).dtype),
-            x.new_empty((*x.shape[:-1], num_groups(x.shape[-1])), dtype=torch.float32))
-
-
-@torch.library.custom_op("megacoat::fp8_dequantize_1x16", mutates_args=())
-def dequantize_1x16(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_1x16_impl(q, scales, dtype):
     if _kernel_ok(q, scales) and q.numel() > 0:
         return fp8_kernels.dequantize_1x16(q, scales, dtype)
     return dequantize_1x16_reference(q, scales, dtype)
 
 
-@dequantize_1x16.register_fake
+@torch.library.custom_op("megacoat::fp8_amax", mutates_args=())
+def _amax_op(x: torch.Tensor) -> torch.Tensor:
+    return _amax_impl(x)
+
+
+@_amax_op.register_fake
+def _(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("megacoat::fp8_cast_tensorwise", mutates_args=())
+def _cast_op(x: torch.Tensor, amax: torch.Tensor, fmt: str,
+             transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _cast_impl(x, amax, fmt, transpose)
+
+
+@_cast_op.register_fake
+def _(x, amax, fmt, transpose):
+    dt = get_format(fmt).dtype
+    q = x.new_empty(x.shape, dtype=dt)
+    qt = x.new_empty((x.shape[1], x.shape[0]), dtype=dt) if transpose else x.new_empty(0, dtype=dt)
+    return q, qt, x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("megacoat::fp8_quantize_1x16", mutates_args=())
+def _quantize_1x16_op(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_1x16_impl(x, fmt)
+
+
+@_quantize_1x16_op.register_fake
+def _(x, fmt):
+    return (x.new_empty(x.shape, dtype=get_format(fmt).dtype),
+            x.new_empty((*x.shape[:-1], num_groups(x.shape[-1])), dtype=torch.bfloat16))
+
+
+@torch.library.custom_op("megacoat::fp8_dequantize_1x16", mutates_args=())
+def _dequantize_1x16_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize_1x16_impl(q, scales, dtype)
+
+
+@_dequantize_1x16_op.register_fake
 def _(q, scales, dtype):
     return q.new_empty(q.shape, dtype=dtype)
 
 
-# ----------------------------------------------------------------------------- conveniences
+# ----------------------------------------------------------------------------- public entry points
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (fp32, 0-d); on the GPU one kernel (atomic max per program), no host sync."""
+    return _amax_op(x) if is_compiling() else _amax_impl(x)
+
+
+def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool):
+    """(q, q of x.T or empty, scale) with the per-tensor scale of the given amax (one pass)."""
+    return _cast_op(x, amax, fmt, transpose) if is_compiling() else _cast_impl(x, amax, fmt, transpose)
+
+
+def quantize_1x16(x: torch.Tensor, fmt: str):
+    """Per-group 1x16 quantization along the last dim -> (codes, bf16 group scales)."""
+    return _quantize_1x16_op(x, fmt) if is_compiling() else _quantize_1x16_impl(x, fmt)
+
+
+def dequantize_1x16(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize_1x16_op(q, scales, dtype) if is_compiling() else _dequantize_1x16_impl(q, scales, dtype)
+
+
 def quantize_tensorwise(x: torch.Tensor, fmt: str, transpose: bool = False,
                         amax_value: Optional[torch.Tensor] = None):
     """Just-in-time per-tensor quantization: (q, qT or empty, scale). `amax_value` skips the amax
-    pass when the producer already emitted it (two-stage amax)."""
+    pass when the producer already emitted it."""
     a = amax(x) if amax_value is None else amax_value
-    scale = scale_from_amax(a, fmt)
-    q, qt = cast_tensorwise(x, scale, fmt, transpose)
-    return q, qt, scale
+    return cast_tensorwise(x, a, fmt, transpose)
 
 
 def dequantize_tensorwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -153,14 +153,6 @@ class Fp8WeightCache:
         self.stale = False
 
 
-def _is_compiling() -> bool:
-    fn = getattr(torch.compiler, "is_compiling", None)
-    if fn is None:  # torch < 2.3
-        import torch._dynamo as dynamo
-        fn = dynamo.is_compiling
-    return fn()
-
-
 # ----------------------------------------------------------------------------- autograd
 @dataclass(frozen=True)
 class _Opts:
@@ -192,30 +184,33 @@ def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_amax, weight, bias, wq, wqt, w_scale, main_grad, overwrite, opts: _Opts):
+        # Every amax and scale stays on the device: each quantization is one kernel reading the amax
+        # tensor (no host sync, no eager scale arithmetic).
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        amax = fp8.amax(x2) if x_amax is None else x_amax.float()
+        amax = fp8.amax(x2) if x_amax is None else x_amax
         if opts.sp_group is not None:
-            amax = amax.clone()
+            amax = amax.float().clone()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=opts.sp_group)  # one scale for the gathered x
-        sx = fp8.scale_from_amax(amax, opts.fwd_fmt)
-        if opts.sp_group is not None:
-            xq_local, _ = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, False)
+            xq_local, _, sx = fp8.cast_tensorwise(x2, amax, opts.fwd_fmt, False)
             xq = _gather_fp8_rows(xq_local, opts.sp_group)
             xqt = xq.t().contiguous() if opts.save_fp8 else None
             lead = (x.shape[0] * group_size(opts.sp_group), *x.shape[1:-1])
         else:
-            xq, xqt = fp8.cast_tensorwise(x2, sx, opts.fwd_fmt, opts.save_fp8)
+            xq, xqt, sx = fp8.cast_tensorwise(x2, amax, opts.fwd_fmt, opts.save_fp8)
             lead = x.shape[:-1]
         transient = wq is None
+        w_amax = None
         if transient:  # no cache: cast W now, W^T again in backward (only the bf16 weight is kept)
-            wq, _, w_scale = fp8.quantize_tensorwise(weight.detach(), opts.fwd_fmt)
+            w_amax = fp8.amax(weight.detach())
+            wq, _, w_scale = fp8.cast_tensorwise(weight.detach(), w_amax, opts.fwd_fmt, False)
         y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm)
         if bias is not None:
             y = y + bias
         # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
-        # under SP, as Megatron saves it).
-        ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, weight if transient else wqt, w_scale)
+        # under SP, as Megatron saves it) and its amax (backward recasts it with the same scale).
+        ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, amax if not opts.save_fp8 else None,
+                              weight if transient else wqt, w_scale, w_amax)
         ctx.transient = transient
         # Not saved tensors: other micro-batches write into them between this forward and its backward.
         ctx.main_grad, ctx.overwrite = main_grad, overwrite
@@ -226,9 +221,9 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         opts = ctx.opts
-        x_saved, sx, wqt, w_scale = ctx.saved_tensors
+        x_saved, sx, x_amax, wqt, w_scale, w_amax = ctx.saved_tensors
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
-            _, wqt = fp8.cast_tensorwise(wqt.detach(), w_scale, opts.fwd_fmt, True)
+            _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True)
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True)
@@ -239,7 +234,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if opts.save_fp8:
             xqt = x_saved
         else:
-            _, xqt = fp8.cast_tensorwise(x_saved, sx, opts.fwd_fmt, True)
+            _, xqt, _ = fp8.cast_tensorwise(x_saved, x_amax, opts.fwd_fmt, True)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
             fp8_wgrad_(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm)
@@ -255,7 +250,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None) -> torch.Tensor:
     """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
     `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8)."""
-    if not _is_compiling() and cache.needs_refresh(weight):  # compiled callers refresh beforehand
+    if not fp8.is_compiling() and cache.needs_refresh(weight):  # compiled callers refresh beforehand
         cache.refresh(weight)
     if hw_gemm is None:
         hw_gemm = device_has_fp8_gemm(x.device)

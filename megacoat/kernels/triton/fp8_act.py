@@ -2,8 +2,9 @@
 
 Tiles are [rows, groups, 16] so that the 1x16 group scales of the saved E4M3 copies come out of
 the same registers that compute the op; masked lanes hold 0 and never raise a group's amax.
-Forward kernels also emit one amax per program (stage one of the two-stage per-tensor amax) of
-the output as rounded to its dtype, which is exactly what the following per-tensor cast reads.
+Forward kernels also reduce the per-tensor amax of their output (as rounded to its dtype: exactly
+what the following per-tensor cast reads) into a zeroed fp32 scalar, one atomic max per program,
+so the consumer's cast needs no amax pass and no extra launch. Group scales are bf16 (rounded up).
 """
 import triton
 import triton.language as tl
@@ -61,7 +62,7 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     yb = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, yb, mask=mask)
-    tl.store(amax_ptr + pid, tl.max(_tile_amax(yb, mask), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(_tile_amax(yb, mask), axis=0))
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dx_ptr, dw
         off = rows[:, None, None] * K + cols
         q = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=rmask[:, None] & (groups[None, :] < G),
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         x = q * s[:, :, None]
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         if RMS:
@@ -145,7 +146,7 @@ def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G,
     quantize_groups_store(up, rows, groups, lanes, mask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
     p = (gate * tl.sigmoid(gate) * up).to(p_ptr.dtype.element_ty)
     tl.store(p_ptr + rows[:, None, None] * F + cols, p, mask=mask)
-    tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(_tile_amax(p, mask), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(_tile_amax(p, mask), axis=0))
 
 
 @triton.jit
@@ -159,9 +160,9 @@ def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, M, F, G, BM: tl.constexpr, 
     off2 = rows[:, None, None] * (2 * F) + cols
     soff = rows[:, None] * (2 * G) + groups[None, :]
     gate = tl.load(q_ptr + off2, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff, mask=gmask, other=0.0)[:, :, None]
+        tl.load(qs_ptr + soff, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
     up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0)[:, :, None]
+        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
     g = tl.load(dp_ptr + rows[:, None, None] * F + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
@@ -183,7 +184,7 @@ def act_fwd_kernel(h_ptr, y_ptr, q_ptr, qs_ptr, amax_ptr, M, K, G, KIND: tl.cons
     quantize_groups_store(x, rows, groups, lanes, mask, q_ptr, qs_ptr, K, G, FMAX, EPS)
     y = _act(x, KIND).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, y, mask=mask)
-    tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(_tile_amax(y, mask), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(_tile_amax(y, mask), axis=0))
 
 
 @triton.jit
@@ -195,7 +196,7 @@ def act_bwd_kernel(dy_ptr, q_ptr, qs_ptr, dh_ptr, M, K, G, KIND: tl.constexpr, B
     cols, mask = _tile(rows, groups, lanes, M, K)
     off = rows[:, None, None] * K + cols
     s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=(rows[:, None] < M) & (groups[None, :] < G),
-                other=0.0)
+                other=0.0).to(tl.float32)
     x = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32) * s[:, :, None]
     g = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(dh_ptr + off, (g * _act_grad(x, KIND)).to(dh_ptr.dtype.element_ty), mask=mask)

@@ -1,8 +1,13 @@
-"""Triton FP8 quantizers: per-block amax, per-tensor cast (+ fused transposed copy), 1x16 groups.
+"""Triton FP8 quantizers: amax, per-tensor cast (+ fused transposed copy), 1x16 groups.
 
-Numerics are those of `megacoat.precision.fp8` (the reference): fp32 math, IEEE division
-(`div_rn`, as torch's `/`), clamp to +-fp8_max, then the cast (round to nearest even). The
-`@triton.jit` helpers at the top are shared with the fused activation kernels (fp8_act.py).
+Numerics are those of `megacoat.precision.fp8` (the reference), bit for bit on hardware:
+- per-tensor scale `s = div_rn(amax + EPS, FMAX)` (IEEE division, once per program), group scales
+  the same then rounded *up* to bf16 (stored as bf16: half the bytes; rounding up keeps |x|/s <= FMAX);
+- codes `q = sat(x * r)` with `r = div_rn(1, s)` (one multiply per element instead of a division;
+  the reference uses the same reciprocal), clamp to +-FMAX, then the cast (cvt.rn.satfinite, RNE).
+The per-tensor amax is reduced in the kernel that reads the tensor (one atomic max per program into a
+zeroed fp32 scalar: max is exact in any order), so a quantization is one launch after its producer.
+The `@triton.jit` helpers at the top are shared with the fused activation kernels (fp8_act.py).
 Every kernel masks its edges, so any shape works.
 """
 import triton
@@ -11,48 +16,65 @@ import triton.language as tl
 
 @triton.jit
 def sat_cast(v, FMAX: tl.constexpr, out_dtype: tl.constexpr):
-    """fp32 values already divided by their scale -> fp8 codes (saturating)."""
+    """fp32 values already multiplied by the reciprocal scale -> fp8 codes (saturating)."""
     return tl.clamp(v, -FMAX, FMAX).to(out_dtype)
 
 
 @triton.jit
-def group_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr):
-    """Just-in-time scale, bit-identical to the reference's (amax + EPS) / FMAX in fp32."""
+def tensor_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr):
+    """Just-in-time per-tensor scale, bit-identical to the reference's IEEE (amax + EPS) / FMAX."""
     return tl.math.div_rn(amax + EPS, FMAX)
+
+
+@triton.jit
+def round_up_bf16(s):
+    """Positive finite fp32 -> the smallest bf16 value >= it (returned as fp32, exact in bf16)."""
+    bits = s.to(tl.int32, bitcast=True)
+    return ((bits + 65535) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def quantize_groups_store(v, rows, groups, lanes, mask, q_ptr, s_ptr, stride_q, stride_s,
                           FMAX: tl.constexpr, EPS: tl.constexpr):
-    """v: fp32 tile [BM, BG, 16] (masked lanes hold 0). Stores 1x16 codes and fp32 group scales."""
+    """v: fp32 tile [BM, BG, 16] (masked lanes hold 0). Stores 1x16 codes and bf16 group scales."""
     gmax = tl.max(tl.abs(v), axis=2)
-    scale = group_scale(gmax, FMAX, EPS)
-    q = sat_cast(tl.math.div_rn(v, scale[:, :, None]), FMAX, q_ptr.dtype.element_ty)
+    scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = sat_cast(v * inv[:, :, None], FMAX, q_ptr.dtype.element_ty)
     cols = groups[None, :, None] * 16 + lanes[None, None, :]
     tl.store(q_ptr + rows[:, None, None] * stride_q + cols, q, mask=mask)
     gmask = tl.max(mask.to(tl.int32), axis=2) > 0
-    tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :], scale, mask=gmask)
+    tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :], scale.to(s_ptr.dtype.element_ty), mask=gmask)
 
 
 @triton.jit
-def amax_partial_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """out (zeroed fp32 scalar) = max(out, max |x|) over ITERS blocks of BLOCK elements per program."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.max(tl.abs(x), axis=0))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+    tl.atomic_max(out_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
-def cast_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
-                FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """q[m, k] = sat(x[m, k] / scale); with TRANSPOSE also qt[k, m] (qt is [K, M] row-major)."""
+def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
+                FMAX: tl.constexpr, EPS: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr):
+    """q[m, k] = sat(x[m, k] * r); with TRANSPOSE also qt[k, m] (qt is [K, M] row-major, written from
+    the same registers through tl.trans). The scale comes from the amax scalar; program (0, 0) stores it."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
+    inv = tl.math.div_rn(1.0, scale)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(scale_ptr, scale)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    q = sat_cast(tl.math.div_rn(x, scale), FMAX, q_ptr.dtype.element_ty)
+    q = sat_cast(x * inv, FMAX, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -81,5 +103,5 @@ def dequantize_1x16_kernel(q_ptr, s_ptr, y_ptr, M, K, G, BM: tl.constexpr, BG: t
     mask = (rows[:, None, None] < M) & (cols < K)
     q = tl.load(q_ptr + rows[:, None, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + rows[:, None] * G + groups[None, :], mask=(rows[:, None] < M) & (groups[None, :] < G),
-                other=0.0)
+                other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None, None] * K + cols, (q * s[:, :, None]).to(y_ptr.dtype.element_ty), mask=mask)
