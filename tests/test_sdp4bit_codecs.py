@@ -85,12 +85,37 @@ def test_message_bytes_and_bits_per_element():
 
 
 def test_random_stream_depends_on_every_id():
-    idx = torch.arange(4096)
-    base = C.uniform01(idx, C.derive_key(1, 2, 3, 4))
+    idx = torch.arange(1 << 16)
+    base = C.rounding_offsets(idx, C.derive_key(1, 2, 3, 4))
     for other in [(2, 2, 3, 4), (1, 3, 3, 4), (1, 2, 4, 4), (1, 2, 3, 5)]:
-        u = C.uniform01(idx, C.derive_key(*other))
-        assert (u == base).float().mean() < 0.01
-    assert abs(base.mean().item() - 0.5) < 0.02 and base.min() >= 0 and base.max() < 1
+        r = C.rounding_offsets(idx, C.derive_key(*other))
+        assert (r == base).float().mean() < 0.01
+    # offsets are (k + 1/2) / 2^16 - 1/2: symmetric, inside (-1/2, 1/2), all 2^16 values about equally often
+    k = ((base.double() + 0.5) * 65536 - 0.5)
+    assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() <= 65535
+    assert abs(base.double().mean().item()) < 0.005 and base.min() > -0.5 and base.max() < 0.5
+    # the two halves of one hash (elements 2p, 2p+1) are not correlated
+    ev, od = base[0::2].double(), base[1::2].double()
+    assert abs(torch.corrcoef(torch.stack([ev, od]))[0, 1].item()) < 0.02
+    # histogram over 16 bins: chi-square far below a failure threshold for 15 dof
+    hist = torch.histc(base.double(), bins=16, min=-0.5, max=0.5)
+    chi2 = ((hist - idx.numel() / 16) ** 2 / (idx.numel() / 16)).sum().item()
+    assert chi2 < 40, chi2
+
+
+def test_rounding_is_round_half_even_of_v_plus_offset():
+    """Independent check of the quantizer's integer step: float64 floor(y + r + 1/2) (ties to even)."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 256) * torch.tensor([1e-3, 1.0, 30.0, 7.0, 1e5, 2.0])[:, None]
+    idx = torch.arange(x.numel()).view(6, 256) + 1000
+    key = C.derive_key(9)
+    for bits in (4, 8):
+        qmax = 2 ** (bits - 1) - 1
+        q, s = C.quantize_groups(x, idx, key, bits)
+        inv = (torch.full((6,), float(qmax)) / x.abs().amax(1))
+        v = ((x * inv[:, None]) + C.rounding_offsets(idx, key)).double()
+        want = torch.round(v).clamp(-qmax, qmax)  # torch.round: half to even, like the fp32 trick
+        assert torch.equal(q.double(), want)
 
 
 def test_partitioned_encode_decode_matches_float64():
@@ -131,6 +156,10 @@ for bits in (4, 8):
             C.encode_partitioned_reference(src, o1, S, off, sl, nd, nb, bits, G, had, key)
             K.encode_partitioned(src, o2, S, off, sl, nd, nb, bits, G, had, key)
             assert torch.equal(o1, o2), ("encode", bits, had, S)
+            b1 = o1.clone(); b2 = o1.clone()  # bf16 buckets: 4-bit codes move as int32 words of 8
+            C.encode_partitioned_reference(src.bfloat16(), b1, S, off, sl, nd, nb, bits, G, had, key)
+            K.encode_partitioned(src.bfloat16(), b2, S, off, sl, nd, nb, bits, G, had, key)
+            assert torch.equal(b1, b2), ("encode bf16", bits, had, S)
             n = nb * sl
             for bo, go in ((4, 32), (8, 64)):
                 if (n // nb) % go:
@@ -193,14 +222,20 @@ def test_kernels_bit_exact_on_gpu(bits, had):
     C.reduce_requantize_reference(o1, r1, N * sl, bits, 128, 4, 128, N, key)
     K.reduce_requantize(o1, r2, N * sl, bits, 128, 4, 128, N, key)
     assert torch.equal(r1, r2)
-    d1 = torch.empty(sl, device=dev)
-    d2 = torch.empty_like(d1)
-    C.reduce_decode_reference(r1, d1, sl, 4, 128, had, C.as_fp32(1 / 128))
-    K.reduce_decode(r1, d2, sl, 4, 128, had, C.as_fp32(1 / 128))
-    assert torch.equal(d1, d2)
+    for dt in (torch.float32, torch.bfloat16):  # bf16: the GPU's cvt.rn path of the kernels
+        d1 = torch.empty(sl, device=dev, dtype=dt)
+        d2 = torch.empty_like(d1)
+        C.reduce_decode_reference(r1, d1, sl, 4, 128, had, C.as_fp32(1 / 128))
+        K.reduce_decode(r1, d2, sl, 4, 128, had, C.as_fp32(1 / 128))
+        assert torch.equal(d1, d2)
+    b1 = torch.empty_like(o1)  # bf16 bucket: 4-bit codes as int32 words of 8 elements
+    b2 = torch.empty_like(o1)
+    C.encode_partitioned_reference(src.bfloat16(), b1, S, off, sl, L, N, bits, 128, had, key)
+    K.encode_partitioned(src.bfloat16(), b2, S, off, sl, L, N, bits, 128, had, key)
+    assert torch.equal(b1, b2)
     m = torch.randn(S, device=dev, generator=g) * 0.02
-    w = (m + 1e-3 * torch.randn(S, device=dev, generator=g)).bfloat16()
-    for direct in (False, True):
+    for wdt, direct in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
+        w = (m + 1e-3 * torch.randn(S, device=dev, generator=g)).to(wdt)
         q1 = torch.empty(C.message_bytes(S, bits, 2048), dtype=torch.uint8, device=dev)
         q2 = torch.empty_like(q1)
         C.encode_delta_reference(m, w, q1, bits, 2048, key, direct)

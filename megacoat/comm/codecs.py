@@ -4,11 +4,16 @@ the CPU path and the test oracle of the Triton kernels (`megacoat.kernels.sdp4bi
 public functions at the bottom call instead when they can run (CUDA tensors, Triton present).
 
 Quantizer (k = 4 or 8, qmax = 2^(k-1) - 1), per group of G contiguous elements:
-    amax  = max |x| over the finite elements       (a group below 2^-96 is sent as zeros, scale 1)
+    amax  = max |x|, taken over the fp32 bit patterns with the sign cleared (they order like |x|;
+            a pattern >= 0x7F800000 is Inf/NaN: the group gets scale NaN and q = 0, so it
+            dequantizes to NaN and the optimizer's non-finite check fires)
+    a group with amax < 2^-96 is sent as zeros with scale 1 (keeps qmax / amax finite)
     scale = amax / qmax   (fp32, IEEE division),   inv = qmax / amax
-    y     = x * inv,   q = floor(y) + (u < y - floor(y)),   clamped to [-qmax, qmax]
-    u     = 24 bits of a counter-based hash of (key, element index): reproducible on any device
-    a group holding Inf/NaN gets scale NaN, so it dequantizes to NaN (the non-finite check fires)
+    v     = x * inv + r   (fp32, rounded after the product and after the sum)
+    q     = round-half-even(v) (as bits of v + 1.5*2^23), clamped to [-qmax, qmax]
+    r     = stochastic offset in (-1/2, 1/2): 16 bits of a counter-based hash (bits16 + 1/2) / 2^16
+            - 1/2; one 32-bit hash of (key, e // 2) serves elements e = 2p (low half) and 2p + 1
+            (high half). P(round up) = frac(v - r) to 2^-16: unbiased, reproducible on any device.
 Dequantize: q * scale (fp32). Codes are stored as q + 2^(k-1): one byte each (k = 8) or two per
 byte (k = 4: element 2i in the low nibble).
 
@@ -31,6 +36,9 @@ from ..kernels import sdp4bit as _kernels
 M32 = 0xFFFFFFFF
 HASH_C1, HASH_C2 = _kernels.HASH_C1, _kernels.HASH_C2
 MIN_AMAX = _kernels.MIN_AMAX
+MIN_AMAX_BITS = 0x0F800000  # fp32 bits of MIN_AMAX = 2^-96
+INF_BITS, ONE_BITS = 0x7F800000, 0x3F800000
+MAGIC, MAGIC_BITS = 12582912.0, 0x4B400000  # 1.5 * 2^23: (v + MAGIC) holds round(v) in its low bits
 HADAMARD_BLOCK = 32
 Key = Tuple[int, int]
 
@@ -67,10 +75,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform01(idx: torch.Tensor, key: Key) -> torch.Tensor:
-    """u in [0, 1), 24 random bits, from the element indices `idx` (int64) and a stream key."""
-    h = _mix32(_mix32((idx & M32) ^ key[0]) ^ key[1])
-    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+def rounding_offsets(idx: torch.Tensor, key: Key) -> torch.Tensor:
+    """Stochastic-rounding offsets r in (-1/2, 1/2) (fp32, exact multiples of 2^-17) of the
+    elements with stream indices `idx` (int64): 16 bits each, two elements per 32-bit hash."""
+    h = _mix32(((((idx >> 1) & M32) ^ key[0]) + key[1]) & M32)
+    bits16 = (h >> ((idx & 1) * 16)) & 0xFFFF
+    f = ((bits16 << 7) | 0x3F800040).to(torch.int32).view(torch.float32)  # 1 + (bits16 + 1/2) / 2^16
+    return f - 1.5
 
 
 # ------------------------------------------------------------------------------------- Hadamard
@@ -102,20 +113,21 @@ def qmax_of(bits: int) -> int:
 def quantize_groups(x: torch.Tensor, idx: torch.Tensor, key: Key, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [groups, G] fp32, idx [groups, G] int64 element indices -> (q int32 [groups, G], scale fp32 [groups])."""
     qmax = qmax_of(bits)
-    finite = torch.isfinite(x)
-    amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(dim=1)
-    bad = ~finite.all(dim=1)
-    pos = amax >= MIN_AMAX
-    safe = torch.where(pos, amax, torch.ones_like(amax))
-    qm = torch.full_like(safe, float(qmax))
-    scale = torch.where(pos, safe / qm, torch.ones_like(safe))
-    inv = torch.where(pos, qm / safe, torch.zeros_like(safe))
-    y = torch.where(finite, x, torch.zeros_like(x)) * inv[:, None]
-    lo = torch.floor(y)
-    q = lo + (uniform01(idx, key) < (y - lo)).to(torch.float32)
+    x = x.float().contiguous()
+    amax_b = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)
+    bad = amax_b >= INF_BITS
+    pos = (amax_b >= MIN_AMAX_BITS) & ~bad
+    amax = torch.where(pos, amax_b, torch.full_like(amax_b, ONE_BITS)).view(torch.float32)
+    qm = torch.full_like(amax, float(qmax))
+    scale = torch.where(pos, amax / qm, torch.ones_like(amax))
+    inv = torch.where(pos, qm / amax, torch.zeros_like(amax))
+    v = x * inv[:, None]
+    v = v + rounding_offsets(idx, key)
+    q = (v + MAGIC).view(torch.int32) - MAGIC_BITS
     q = q.clamp(-qmax, qmax)
+    q = torch.where(bad[:, None], torch.zeros_like(q), q)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    return q.to(torch.int32), scale
+    return q, scale
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:

@@ -14,8 +14,10 @@ import torch
 
 HASH_C1, HASH_C2 = 0x045D9F3B, 0x119DE1F3
 MIN_AMAX = 2.0 ** -96
-# Elements per program: ~4096 keeps enough bytes in flight per SM for these bandwidth-bound passes.
-TILE = 4096
+# Elements per program: 8K keeps enough bytes in flight per SM for these bandwidth-bound passes
+# (8 warps: 32 elements per thread); a tile is [TILE / C, C] with C the group size.
+TILE = 8192
+WARPS = 8
 _OPTS = dict(enable_fp_fusion=False)  # no FMA contraction: bit-identical to the references
 
 
@@ -39,12 +41,13 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _groups_per_program(group: int) -> int:
+def _rows(group: int) -> int:
     return max(1, TILE // group)
 
 
-def _warps(elements: int) -> int:
-    return 8 if elements >= 4096 else 4
+def _hw_bf16() -> bool:
+    """The GPU's bf16 rounding instruction, except under the interpreter (it truncates bf16 casts)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _is_bf16(t: torch.Tensor) -> bool:
@@ -53,46 +56,55 @@ def _is_bf16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16
 
 
-def _f32(buf: torch.Tensor) -> torch.Tensor:
-    """The fp32 view of a uint8 message buffer (its scales are read/written through it)."""
-    return buf.view(torch.float32)
+def _check_msg(buf: torch.Tensor) -> torch.Tensor:
+    """Kernels read scales as fp32 and 4-bit codes as 2/4-byte words: 4-byte aligned messages."""
+    if buf.shape[-1] % 4 or buf.data_ptr() % 4:
+        raise ValueError(f"message buffers must hold a multiple of 4 bytes at a 4-byte aligned address, got "
+                         f"{buf.shape[-1]} bytes at {buf.data_ptr()}")
+    return buf
+
+
+def _pack(t: torch.Tensor) -> int:
+    """Elements per 4-bit code word: as many as one 16-byte access of the fp32/bf16 data holds."""
+    return 4 if t.element_size() == 4 else 8
 
 
 def encode_partitioned(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key):
-    n = nblocks * slice_len
-    msg = out.shape[-1]
-    n_groups = ndest * n // group
-    ng = _groups_per_program(group)
-    _k().encode_partitioned_kernel[(_cdiv(n_groups, ng),)](
-        src, out, _f32(out), n_groups, shard_size, slice_off, slice_len, ndest, n // group, slice_len // group, msg,
-        key[0], key[1], BITS=bits, G=group, NG=ng, HADAMARD=bool(hadamard), num_warps=_warps(ng * group), **_OPTS)
+    r = _rows(group)
+    _k().encode_partitioned_kernel[(_cdiv(slice_len // group, r), nblocks, ndest)](
+        src, _check_msg(out), shard_size, slice_off, slice_len, ndest, out.shape[-1], key[0], key[1],
+        BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
 
 
 def reduce_requantize(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
-    n_groups = n // group_out
-    ng = _groups_per_program(group_out)
-    _k().reduce_requantize_kernel[(_cdiv(n_groups, ng),)](
-        msgs, _f32(msgs), out, _f32(out), n_groups, msgs.shape[0], n, msgs.shape[-1], out.shape[-1],
-        n_groups // ndest, key[0], key[1], BITS_IN=bits_in, G_IN=group_in, BITS_OUT=bits_out, G_OUT=group_out,
-        NG=ng, num_warps=_warps(ng * group_out), **_OPTS)
+    m = n // ndest
+    r = _rows(group_out)
+    _k().reduce_requantize_kernel[(_cdiv(m // group_out, r), ndest)](
+        _check_msg(msgs), _check_msg(out), msgs.shape[0], n, m, msgs.shape[-1], out.shape[-1], key[0], key[1],
+        BITS_IN=bits_in, G_IN=group_in, BITS_OUT=bits_out, G_OUT=group_out, R=r, PACK=4, num_warps=WARPS, **_OPTS)
 
 
 def reduce_decode(msgs, out, n, bits, group, hadamard, scale):
-    _k().reduce_decode_kernel[(_cdiv(n, TILE),)](
-        msgs, _f32(msgs), out, msgs.shape[0], n, msgs.shape[-1], float(scale), BITS=bits, G=group,
-        HADAMARD=bool(hadamard), BLOCK=TILE, OUT_BF16=_is_bf16(out), num_warps=_warps(TILE), **_OPTS)
+    r = _rows(group)
+    _k().reduce_decode_kernel[(_cdiv(n // group, r),)](
+        _check_msg(msgs), out, msgs.shape[0], n, msgs.shape[-1], float(scale), BITS=bits, G=group, R=r,
+        HADAMARD=bool(hadamard), OUT_BF16=_is_bf16(out), HW_BF16=_hw_bf16(), PACK=_pack(out), num_warps=WARPS,
+        **_OPTS)
 
 
 def encode_delta(master, weights, out, bits, group, key, directly):
     n_groups = master.numel() // group
-    ng = _groups_per_program(group)
-    _k().encode_delta_kernel[(_cdiv(n_groups, ng),)](
-        master, weights, out, _f32(out), n_groups, key[0], key[1], BITS=bits, G=group, NG=ng,
-        DIRECT=bool(directly), W_BF16=_is_bf16(weights), num_warps=_warps(ng * group), **_OPTS)
+    r = _rows(group)
+    _k().encode_delta_kernel[(_cdiv(n_groups, r),)](
+        master, weights, _check_msg(out), n_groups, key[0], key[1], BITS=bits, G=group, R=r,
+        DIRECT=bool(directly), W_BF16=_is_bf16(weights), HW_BF16=_hw_bf16(), PACK=_pack(master), num_warps=WARPS,
+        **_OPTS)
 
 
 def apply_delta(msgs, weights, bits, group, directly):
-    total = weights.numel()
-    _k().apply_delta_kernel[(_cdiv(total, TILE),)](
-        msgs, _f32(msgs), weights, total, total // msgs.shape[0], msgs.shape[-1], BITS=bits, G=group,
-        DIRECT=bool(directly), BLOCK=TILE, W_BF16=_is_bf16(weights), num_warps=_warps(TILE), **_OPTS)
+    nsrc = msgs.shape[0]
+    n = weights.numel() // nsrc
+    r = _rows(group)
+    _k().apply_delta_kernel[(_cdiv(n // group, r), nsrc)](
+        _check_msg(msgs), weights, n, msgs.shape[-1], BITS=bits, G=group, R=r, DIRECT=bool(directly),
+        W_BF16=_is_bf16(weights), HW_BF16=_hw_bf16(), PACK=_pack(weights), num_warps=WARPS, **_OPTS)
