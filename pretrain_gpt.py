@@ -14,6 +14,7 @@ from megacoat.config import ConfigError, parse_args
 from megacoat.data import DataConfigError, TokenizerError
 from megacoat.parallel.context import LaunchError
 from megacoat.training.log import configure_library_logging
+from megacoat.training.faults import TrainingStopped
 from megacoat.training.trainer import pretrain
 
 
@@ -27,6 +28,11 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        # Every rank stops at the same step for the same reason: say it once.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -69,7 +69,7 @@ class ParallelConfig:
     ranks_per_node: Optional[int] = _f(
         None, "Ranks per node for the two-level data-parallel groups. Default: $LOCAL_WORLD_SIZE (torchrun), else the world size.")
     distributed_backend: str = _f("auto", "torch.distributed backend: auto = nccl on GPU, gloo on CPU.", choices=["auto", "nccl", "gloo"])
-    distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, minutes: when a rank dies, the "
+    distributed_timeout_minutes: float = _f(10, "Timeout of collective operations, minutes: when a rank dies, the "
                                                   "others stop with an error within this time instead of hanging.")
     world_size: Optional[int] = _f(None, "With --dry-run: the number of ranks to plan for (default: the launched world).")
     use_distributed_optimizer: bool = _f(False, "ZeRO: shard fp32 master weights and optimizer states over DP ranks.")

@@ -118,8 +118,13 @@ class ParallelContext:
         return cls(device=device or torch.device("cpu"))
 
     @classmethod
-    def build(cls, tp: int, pp: int, device: torch.device, ranks_per_node: Optional[int] = None) -> "ParallelContext":
-        """Create every group. Must be called on all ranks after init_process_group (or alone, world 1)."""
+    def build(cls, tp: int, pp: int, device: torch.device, ranks_per_node: Optional[int] = None,
+              timeout_minutes: Optional[float] = None) -> "ParallelContext":
+        """Create every group. Must be called on all ranks after init_process_group (or alone, world 1).
+
+        `timeout_minutes` (--distributed-timeout-minutes) is given to every group: new_group does not
+        inherit init_process_group's timeout (it falls back to torch's 30-minute default), so without
+        it a rank waiting on a stuck peer in a TP/DP/PP collective would hang for half an hour."""
         if not dist.is_initialized():
             if tp * pp != 1:
                 raise ValueError("tensor/pipeline parallel sizes > 1 need torch.distributed (launch with torchrun)")
@@ -129,24 +134,25 @@ class ParallelContext:
         rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
                   ranks_per_node=rpn, device=device)
+        kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
         # new_group must be called by every rank for every group, in the same order.
         for kind in ("tp", "dp", "pp", "mp"):
             for ranks in grid[kind]:
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, **kw)
                 if rank in ranks:
                     setattr(ctx, f"{kind}_group", g)
                     if kind in ("tp", "dp", "pp"):
                         setattr(ctx, f"{kind}_ranks", ranks)
                         setattr(ctx, f"{kind}_rank", ranks.index(rank))
         for ranks in grid["embedding"]:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, **kw)
             if rank in ranks:
                 ctx.embedding_group = g
         for dp_ranks in grid["dp"]:
             intra, inter = two_level_dp_groups(dp_ranks, rpn)
             for kind, lists in (("intra", intra), ("inter", inter)):
                 for ranks in lists:
-                    g = dist.new_group(ranks)
+                    g = dist.new_group(ranks, **kw)
                     if rank in ranks:
                         setattr(ctx, f"dp_{kind}_group", g)
                         setattr(ctx, f"dp_{kind}_size", len(ranks))
@@ -230,7 +236,7 @@ def apply_launcher_environment(env=None) -> dict:
     return found
 
 
-def init_distributed(backend: str = "auto", timeout_minutes: int = 10, use_cpu: bool = False) -> torch.device:
+def init_distributed(backend: str = "auto", timeout_minutes: float = 10, use_cpu: bool = False) -> torch.device:
     """Initialise torch.distributed from torchrun's environment (no-op for a single process).
     Processes started by srun alone get that environment from SLURM's (apply_launcher_environment).
 

@@ -30,6 +30,7 @@ from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
 from ..precision.linear import invalidate_fp8_weights
 from ..precision.recipe import resolve_precision
+from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
@@ -133,7 +134,7 @@ class Trainer:
                                        cfg.train.use_cpu)
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
-                                         cfg.parallel.ranks_per_node)
+                                         cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
                                         num_microbatches(cfg, self.ctx.dp_size))
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
@@ -175,6 +176,9 @@ class Trainer:
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
         self.checkpointer.load(self)
+        self.skip_guard = SkipGuard(cfg.train.max_skipped_iterations, self.device)
+        # Before the data iterators fork their workers: they inherit the handler (see ExitSignalHandler).
+        self.exit_signal = ExitSignalHandler(self.device) if cfg.train.exit_signal_handler else None
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
@@ -272,9 +276,11 @@ class Trainer:
                      self.tokenizer.vocab_size, memory, self.logger)
         iters = self.data_iterators()
         self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))
+        interrupted = False
         while self.state.iteration < cfg.train.train_iters:
             rec = self.train_step(self._next_micro_batches(iters.train))
             self.logger.maybe_log(self.state, self.flops_per_iter)
+            self._check_skips(rec)
             if self.schedule.timing and (self.state.iteration % cfg.logging.log_interval == 0
                                          or self.state.iteration == cfg.train.train_iters):
                 self._log_bubble()
@@ -286,15 +292,42 @@ class Trainer:
                 self.logger.log_eval(it, self.evaluate(iters.valid, cfg.train.eval_iters))
             if self.checkpointer.after_step(self):  # saves when due; True: --exit-duration-in-mins ran out
                 break
+            if self.exit_signal is not None and self.exit_signal.requested():
+                self._save_and_exit_on_signal()
+                interrupted = True
+                break
             if cfg.train.exit_interval and it % cfg.train.exit_interval == 0:
                 self.logger.maybe_log(self.state, self.flops_per_iter, force=True)
                 self.logger.info(f"exiting at iteration {it} (--exit-interval {cfg.train.exit_interval})")
                 break
         self.checkpointer.finish(self)  # final save; waits for a background (--async-save) write
-        if iters.valid is not None and cfg.train.eval_iters > 0:
+        if iters.valid is not None and cfg.train.eval_iters > 0 and not interrupted:
             self.logger.log_eval(self.state.iteration, self.evaluate(iters.valid, cfg.train.eval_iters))
         self.logger.finish()
+        if self.exit_signal is not None:
+            self.exit_signal.restore()
         return self.state
+
+    def _check_skips(self, rec: StepRecord) -> None:
+        """--max-skipped-iterations: stop (with an error) after N consecutive non-finite steps, the
+        last checkpoint committed and untouched."""
+        try:
+            self.skip_guard.after_step(rec.success_t, self.state.iteration, self.checkpointer.last_saved)
+        except TrainingStopped:
+            self.logger.maybe_log(self.state, self.flops_per_iter, force=True)
+            self.checkpointer.wait()  # a background save of a good state still commits
+            self.logger.finish()
+            raise
+
+    def _save_and_exit_on_signal(self) -> None:
+        it = self.state.iteration
+        self.logger.maybe_log(self.state, self.flops_per_iter, force=True)
+        if self.cfg.checkpoint.save and self.checkpointer.last_saved != it:
+            self.checkpointer.save(self)
+        elif not self.cfg.checkpoint.save:
+            self.logger.info("--exit-signal-handler: no --save directory, so no checkpoint is written")
+        self.logger.info(f"exiting at iteration {it}: received signal {int(self.exit_signal.signum)} "
+                         "(--exit-signal-handler)")
 
     def close(self, failed: bool = False) -> None:
         """Leave the process group. After a failure this rank may be the only one that stopped while

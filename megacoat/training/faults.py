@@ -1,0 +1,72 @@
+"""Faults: stopping on runs of non-finite steps, and saving on SIGTERM (SLURM preemption).
+
+A dead or stuck rank is handled by the process group's timeout (--distributed-timeout-minutes,
+set in init_distributed) and by Trainer.close(failed=True), which aborts instead of waiting.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose before the end (the message says why and what to do)."""
+
+
+class SkipGuard:
+    """--max-skipped-iterations N: counts consecutive skipped steps on the device and raises once
+    there are N. Reading the count is a host sync, paid once per step only when the flag is set.
+    Every rank sees the same skip decision (the gradient norm is global), so all stop together."""
+
+    def __init__(self, limit: Optional[int], device: torch.device):
+        if limit is not None and limit < 1:
+            raise ValueError("--max-skipped-iterations must be >= 1.")
+        self.limit = limit
+        self.run = torch.zeros((), dtype=torch.int64, device=device)
+
+    def after_step(self, success: torch.Tensor, iteration: int, last_saved: Optional[int]) -> None:
+        if self.limit is None:
+            return
+        skipped = (~success.to(self.run.device, torch.bool)).long()
+        self.run = (self.run + skipped) * skipped  # back to zero after a good step
+        n = int(self.run.item())
+        if n >= self.limit:
+            where = f"the last checkpoint (iteration {last_saved}) is intact" if last_saved is not None else \
+                "no checkpoint was saved by this run"
+            raise TrainingStopped(
+                f"stopping at iteration {iteration}: {n} consecutive iterations had non-finite gradients "
+                f"(--max-skipped-iterations {self.limit}); {where}. Lower --lr, check the data, or resume from the "
+                "checkpoint with a different --seed.")
+
+
+class ExitSignalHandler:
+    """--exit-signal-handler: remember a SIGTERM instead of dying, so that the loop can save at the
+    next iteration boundary and exit 0. `requested()` is collective (a MAX all-reduce per step):
+    SLURM may signal ranks at slightly different times, and every rank must stop at the same step.
+
+    Installed before the DataLoader workers are forked, so they inherit it and survive the signal
+    that SLURM sends to every process of the job step (the main process shuts them down)."""
+
+    def __init__(self, device: torch.device, signum: int = signal.SIGTERM):
+        self.device, self.signum = device, signum
+        self.received = False
+        self._previous = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def requested(self, group=None) -> bool:
+        flag = self.received
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1 if flag else 0], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            flag = bool(t.item())
+        return flag
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
