@@ -76,6 +76,8 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
         self._pending_grad: Dict[int, Pending] = {}
         self._pending_param: Dict[int, Pending] = {}
         self._held_buckets: set = set()  # not launched from the gradient hook (add_pre_sync_params)
+        self.iteration = 0  # step() calls, checkpointed: seeds the strategy's random streams (SDP4Bit)
+        self._tell_iteration()
         if opts.overlap_param_gather:
             self._install_param_wait(model)
 
@@ -210,7 +212,22 @@ class DistributedOptimizer(CodecScalars, PreSyncParams):
             for s in self.segments:
                 s.master.grad = None
         self._gather_params(async_op=self.opts.overlap_param_gather)
+        self.iteration += 1
+        self._tell_iteration()
         return StepResult(success, norm, self.stats.pop())
+
+    def _tell_iteration(self) -> None:
+        """Strategies with stochastic rounding key it by the iteration: a resumed run draws the same."""
+        if hasattr(self.comm, "set_iteration"):
+            self.comm.set_iteration(self.iteration)
+
+    def scalar_state(self) -> dict:
+        return {**super().scalar_state(), "iteration": self.iteration}
+
+    def load_scalar_state(self, d: dict) -> None:
+        super().load_scalar_state(d)
+        self.iteration = int(d.get("iteration", d.get("adam_step", 0)))
+        self._tell_iteration()
 
     def _gather_params(self, async_op: bool, after_load: bool = False) -> None:
         # Forward uses the buckets from last to first (buckets are in reverse registration order):
