@@ -2,14 +2,15 @@
 saved-for-backward tensors are FP8 with 1x16 per-group scales.
 
 Ops (each an autograd function over `torch.library` custom ops, so `torch.compile` keeps every
-kernel whole and opaque; the ops run the Triton kernels of `megacoat.kernels.fp8_act` on CUDA and
-the plain-PyTorch references below elsewhere):
+kernel whole and opaque; eager calls skip the custom-op dispatcher and call the same implementation;
+they run the Triton kernels of `megacoat.kernels.fp8_act` on CUDA and the plain-PyTorch references
+below elsewhere):
 
 - `fp8_norm(x, weight, bias, eps, rms, residual=None)` -> `(stream, y, y_amax)`: RMSNorm or
   LayerNorm of `stream = x (+ residual)`. The optional residual add is fused (the bf16 residual
   stream is kept and returned, its 1x16 FP8 copy is made in the same pass). Saved: the stream as
-  E4M3 1x16 + fp32 rstd (+ fp32 mean for LayerNorm). `y` is emitted in bf16 together with its
-  per-tensor amax (the first stage of the two-stage amax), so the following FP8 linear casts it
+  E4M3 1x16 (bf16 group scales, rounded up) + fp32 rstd (+ fp32 mean for LayerNorm). `y` is emitted in bf16 together with its
+  per-tensor amax (reduced by the same kernel: a 0-d device tensor), so the following FP8 linear casts it
   to per-tensor E4M3 (and the transposed copy for its wgrad) in one pass without an amax pass;
   the linear saves that FP8 copy, never the bf16 `y`.
 - `fp8_swiglu(h)` -> `(p, p_amax)`: `silu(gate) * up` of `h = [gate; up]` (last dim). Saved:
