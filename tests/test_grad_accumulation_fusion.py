@@ -171,3 +171,37 @@ def test_released_buffer_refuses_writes():
     (p * 2).sum().backward()
     buf.finalize()
     assert torch.equal(p.main_grad, torch.full_like(p, 2.0))
+
+
+def test_grad_norm_overlap_matches_the_norm_after_backward():
+    """The norm's per-bucket partial sums taken during the last backward equal the norm read afterwards."""
+    from megacoat.config import ModelConfig, OptimizerConfig, resolve_model_defaults
+    from megacoat.model.gpt import GPTModel
+    from megacoat.model.transformer import LayerContext
+    from megacoat.optim.optimizer import MixedPrecisionAdamW
+    from megacoat.parallel.context import ParallelContext
+
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, attention_dropout=0.0,
+                    hidden_dropout=0.0)
+    resolve_model_defaults(m)
+    ctx = ParallelContext.single(torch.device("cpu"))
+    tokens = torch.randint(0, 100, (4, 2, 17), generator=torch.Generator().manual_seed(6))
+    norms = []
+    for overlap in (True, False):
+        model = GPTModel(m, LayerContext(None, False, None, torch.float32, torch.device("cpu"), 7), 100, 128)
+        opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=1e-2, clip_grad=0.5), ctx, bucket_size=3000)
+        assert opt.norm_overlap is not None
+        if not overlap:
+            opt.norm_overlap = None
+        got = []
+        for step in range(3):
+            opt.zero_grad()
+            for i, mb in enumerate(tokens[step:step + 2]):
+                opt.start_micro_batch(is_last=i == 1)
+                (model(mb[:, :-1], labels=mb[:, 1:]).mean() / 2).backward()
+            if overlap:  # every bucket was complete in the last backward: its partial exists already
+                assert len(opt.norm_overlap._partials) == len(opt.grad_buffer.buckets)
+            got.append(opt.step(1e-2).grad_norm.item())
+        norms.append(got)
+    for a, b in zip(*norms):
+        assert abs(a - b) <= 1e-6 * b, norms

@@ -23,6 +23,8 @@ def make_trainer(args):
 def poison_gradients(trainer, values):
     """Before the optimizer step of iteration i (1-based), set one gradient element to values[i]."""
     forward_backward = trainer.forward_backward
+    # The poison is written after the backward; the overlapped norm reads gradients during it.
+    trainer.optimizer.norm_overlap = None
 
     def poisoned(micro_batches):
         loss = forward_backward(micro_batches)

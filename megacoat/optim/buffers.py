@@ -81,7 +81,7 @@ class GradBuffer:
     """
 
     def __init__(self, params: List[nn.Parameter], dtype: torch.dtype = torch.float32,
-                 bucket_size: Optional[int] = None, release_between_steps: bool = False):
+                 bucket_size: Optional[int] = None, release_between_steps: bool = False, on_ready=None):
         self.params = [p for p in params if p.requires_grad]
         order = list(reversed(self.params))
         device = order[0].device if order else torch.device("cpu")
@@ -104,7 +104,8 @@ class GradBuffer:
                 offset += p.numel()
             self.buckets.append(data)
         self.release_between_steps = release_between_steps
-        self.accumulator = GradAccumulator(self.params)
+        self.bucket_params = [list(g) for g in groups]
+        self.accumulator = GradAccumulator(self.params, on_ready)
         if release_between_steps:
             self.release()
 

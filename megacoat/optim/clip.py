@@ -17,13 +17,21 @@ def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group, e
     `extra_group` (the DP group) sums the slices first.
     """
     mine = [g for g, c in zip(grads, counted) if c]
-    if mine:
-        # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
-        norms = torch._foreach_norm(mine, 2, dtype=torch.float32)
-        sq = torch.stack(norms).pow(2).sum()
-    else:
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float32, device=device)
+    device = grads[0].device if grads else torch.device("cpu")
+    return norm_from_local_square_sum(local_square_sum(mine, device), mp_group, extra_group)
+
+
+def local_square_sum(grads: List[torch.Tensor], device) -> torch.Tensor:
+    """Sum of squares of `grads` as a 0-dim fp32 tensor (0 for an empty list)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
+
+
+def norm_from_local_square_sum(sq: torch.Tensor, mp_group, extra_group=None) -> torch.Tensor:
+    """Global L2 norm from this rank's sum of squares (summed over `extra_group`, then `mp_group`)."""
     for group in (extra_group, mp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)

@@ -26,7 +26,8 @@ from .buffers import GradBuffer
 from .adamw import Fp32AdamW
 from .fp8_adam import (Chunk, PrecisionAwareAdamW, choose_state_formats, decay_table, dequantize_groups,
                        round_up_group)
-from .clip import global_grad_norm
+from .clip import global_grad_norm, norm_from_local_square_sum
+from .grad_norm_overlap import BucketNormOverlap
 
 
 @dataclass
@@ -139,13 +140,21 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         # Gradient memory only from each bucket's first backward to the end of the step, where the
         # model tells us when a module's backward starts (GPTModel's pre_backward_hook).
         release = hasattr(model, "pre_backward_hook")
-        self.grad_buffer = GradBuffer(self.params, grad_dtype, bucket_size, release_between_steps=release)
+        self.grad_buffer = GradBuffer(self.params, grad_dtype, bucket_size, release_between_steps=release,
+                                      on_ready=self._on_grad_ready)
         if release:
             self._install_grad_allocation(model)
         self.stats = CommStats()
         self.comm = PlainAllReduce(ctx.dp_group, self.stats)
         self.counted = [counted_in_norm(p, ctx.tp_rank) for p in self.params]
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        # The norm's sum of squares per bucket during the backward, where gradients are final there
+        # (one data-parallel rank, no TP sum of sequence-parallel gradients, no tied-embedding pre-sync).
+        self.norm_overlap = None
+        if ctx.dp_size == 1 and not (ctx.tp_size > 1 and self.sp_params):
+            self.norm_overlap = BucketNormOverlap(self.grad_buffer.bucket_params,
+                                                  {id(p) for p, c in zip(self.params, self.counted) if c},
+                                                  self.params[0].device)
         self.fused = self.params[0].is_cuda
         formats = choose_state_formats(cfg, self.params[0].device)
         self.flat = formats is not None
@@ -193,6 +202,13 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
+        if self.norm_overlap is not None:
+            self.norm_overlap.reset()
+            self.norm_overlap.enabled = not getattr(self, "_pre_sync", None)
+
+    def _on_grad_ready(self, p) -> None:
+        if self.norm_overlap is not None:
+            self.norm_overlap.on_ready(p)
 
     def _sync_sequence_parallel_grads(self) -> None:
         """Norm weights see only their sequence shard under SP: sum their grads over TP."""
@@ -200,7 +216,9 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
             all_reduce_packed([p.main_grad for p in self.sp_params], self.ctx.tp_group)
 
     def start_micro_batch(self, is_last: bool) -> None:
-        """Nothing to overlap: the all-reduce runs in step()."""
+        """The all-reduce runs in step(); the norm's partial sums may start in the last backward."""
+        if self.norm_overlap is not None:
+            self.norm_overlap.set_last_micro_batch(is_last)
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -210,7 +228,10 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         for bucket in self.grad_buffer.buckets:
             self.comm.reduce_grads(bucket)
         grads = [p.main_grad for p in self.params]
-        norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
+        if self.norm_overlap is not None and self.norm_overlap.enabled:
+            norm = norm_from_local_square_sum(self.norm_overlap.total(), self.ctx.mp_group)
+        else:
+            norm = global_grad_norm(grads, self.counted, self.ctx.mp_group)
         if self.flat:  # reads bf16 gradients directly and writes the bf16 weights in the same pass
             success = self.codec.step(lr, norm)
             if self.grad_buffer.release_between_steps:

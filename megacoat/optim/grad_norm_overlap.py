@@ -1,0 +1,65 @@
+"""The gradient norm's sum of squares, computed per bucket while the backward is still running.
+
+The norm otherwise re-reads every gradient after the backward (4 bytes/parameter: ~6 ms per step at
+7B on an H200). A bucket's gradients are final as soon as its last parameter's gradient of the step's
+last micro-batch has arrived; from then on its partial sum of squares runs on a side stream and
+overlaps the remaining backward (compute-bound GEMMs). Only valid where nothing changes gradients
+between the backward and the optimizer step (no data-parallel averaging, no TP sum of
+sequence-parallel norm weights, no pre-sync of tied embeddings): the optimizer decides with `usable`.
+Buckets that never became complete (a parameter without gradient) are summed in `total`.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from .clip import local_square_sum
+
+
+class BucketNormOverlap:
+    def __init__(self, bucket_params: List[List[nn.Parameter]], counted_ids: set, device: torch.device):
+        self.bucket_params = bucket_params
+        self.counted = [[p for p in ps if id(p) in counted_ids] for ps in bucket_params]
+        self.bucket_of = {id(p): i for i, ps in enumerate(bucket_params) for p in ps}
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.enabled = True
+        self._active = False
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no gradient is final yet."""
+        self._ready = [0] * len(self.bucket_params)
+        self._partials: Dict[int, torch.Tensor] = {}
+
+    def set_last_micro_batch(self, is_last: bool) -> None:
+        self._active = is_last and self.enabled
+
+    def on_ready(self, p: nn.Parameter) -> None:
+        if not self._active:
+            return
+        i = self.bucket_of[id(p)]
+        self._ready[i] += 1
+        if self._ready[i] == len(self.bucket_params[i]):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        grads = [p.main_grad for p in self.counted[i]]
+        if self.stream is None:
+            self._partials[i] = local_square_sum(grads, self.device)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the GEMMs that wrote them
+        with torch.cuda.stream(self.stream):
+            self._partials[i] = local_square_sum(grads, self.device)
+
+    def total(self) -> torch.Tensor:
+        """This rank's sum of squares over every counted gradient (call after the backward)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        parts = [self._partials[i] if i in self._partials else
+                 local_square_sum([p.main_grad for p in self.counted[i]], self.device)
+                 for i in range(len(self.bucket_params))]
+        self.reset()
+        return torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
