@@ -69,15 +69,15 @@ fi
 if has mem && ! late mem; then echo "== memory breakdown 7B $(el)" | tee -a $LOG
   timeout 200 python3 benchmarks/memory_peak.py $C $M7 --train-iters 5 --record-steps 1 --out $OUT/memory_7b.txt 2>&1 | grep -v "^  [a-z_0-9]* \.\." | tail -30 | tee -a $LOG
 fi
-if has big; then
-  mc b7_compiled 12 $M7
-  peer p7_compiled --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 --compile --iters 6 --warmup 5
-  mc b7_bf16grad 12 $M7 --grad-reduce-in-bf16
-fi
 if has small; then
   mc b1_compiled 20 $M1
   peer p1_compiled --compile --iters 10 --warmup 8
   [ "${SKIP_BF16GRAD1:-0}" = 1 ] || mc b1_bf16grad 20 $M1 --grad-reduce-in-bf16
+fi
+if has big; then
+  mc b7_compiled 12 $M7
+  [ "${SKIP_PEER7:-0}" = 1 ] || peer p7_compiled --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 --compile --iters 6 --warmup 5
+  mc b7_bf16grad 12 $M7 --grad-reduce-in-bf16
 fi
 if has eager; then
   mc b1_eager 15 $M1 --no-torch-compile
