@@ -44,7 +44,8 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
         sf = s.to(tl.float32)
     else:
         sf = x.to(tl.float32)
-    quantize_groups_store(sf, rows, groups, lanes, mask, q_ptr, qs_ptr, K, G, FMAX, EPS)
+    gmask = (rows[:, None] < M) & (groups[None, :] < G)
+    quantize_groups_store(sf, rows, groups, lanes, mask, gmask, q_ptr, qs_ptr, K, G, FMAX, EPS)
     rmask = rows < M
     if RMS:
         c = sf
@@ -142,8 +143,9 @@ def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G,
     off = rows[:, None, None] * (2 * F) + cols
     gate = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + off + F, mask=mask, other=0.0).to(tl.float32)
-    quantize_groups_store(gate, rows, groups, lanes, mask, q_ptr, qs_ptr, 2 * F, 2 * G, FMAX, EPS)
-    quantize_groups_store(up, rows, groups, lanes, mask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
+    gmask = (rows[:, None] < M) & (groups[None, :] < G)
+    quantize_groups_store(gate, rows, groups, lanes, mask, gmask, q_ptr, qs_ptr, 2 * F, 2 * G, FMAX, EPS)
+    quantize_groups_store(up, rows, groups, lanes, mask, gmask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
     p = (gate * tl.sigmoid(gate) * up).to(p_ptr.dtype.element_ty)
     tl.store(p_ptr + rows[:, None, None] * F + cols, p, mask=mask)
     tl.atomic_max(amax_ptr, tl.max(_tile_amax(p, mask), axis=0))
@@ -181,7 +183,8 @@ def act_fwd_kernel(h_ptr, y_ptr, q_ptr, qs_ptr, amax_ptr, M, K, G, KIND: tl.cons
     cols, mask = _tile(rows, groups, lanes, M, K)
     off = rows[:, None, None] * K + cols
     x = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    quantize_groups_store(x, rows, groups, lanes, mask, q_ptr, qs_ptr, K, G, FMAX, EPS)
+    gmask = (rows[:, None] < M) & (groups[None, :] < G)
+    quantize_groups_store(x, rows, groups, lanes, mask, gmask, q_ptr, qs_ptr, K, G, FMAX, EPS)
     y = _act(x, KIND).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, y, mask=mask)
     tl.atomic_max(amax_ptr, tl.max(_tile_amax(y, mask), axis=0))

@@ -34,16 +34,17 @@ def round_up_bf16(s):
 
 
 @triton.jit
-def quantize_groups_store(v, rows, groups, lanes, mask, q_ptr, s_ptr, stride_q, stride_s,
+def quantize_groups_store(v, rows, groups, lanes, mask, gmask, q_ptr, s_ptr, stride_q, stride_s,
                           FMAX: tl.constexpr, EPS: tl.constexpr):
-    """v: fp32 tile [BM, BG, 16] (masked lanes hold 0). Stores 1x16 codes and bf16 group scales."""
+    """v: fp32 tile [BM, BG, 16] (masked lanes hold 0), gmask [BM, BG] the groups that exist (from the
+    row and group counts: reducing `mask` instead costs a warp reduction per group). Stores 1x16
+    codes and bf16 group scales."""
     gmax = tl.max(tl.abs(v), axis=2)
     scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     q = sat_cast(v * inv[:, :, None], FMAX, q_ptr.dtype.element_ty)
     cols = groups[None, :, None] * 16 + lanes[None, None, :]
     tl.store(q_ptr + rows[:, None, None] * stride_q + cols, q, mask=mask)
-    gmask = tl.max(mask.to(tl.int32), axis=2) > 0
     tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :], scale.to(s_ptr.dtype.element_ty), mask=gmask)
 
 
@@ -73,11 +74,14 @@ def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = sat_cast(x * inv, FMAX, q_ptr.dtype.element_ty)
+    xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    q = sat_cast(xb.to(tl.float32) * inv, FMAX, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     if TRANSPOSE:
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        # Transpose the 16-bit input tile (shared memory moves 2-byte words, not single bytes) and
+        # cast again: the same multiply and cast, so the codes equal q's.
+        qt = sat_cast(tl.trans(xb).to(tl.float32) * inv, FMAX, qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], qt, mask=tl.trans(mask))
 
 
 @triton.jit
@@ -90,7 +94,8 @@ def quantize_1x16_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_x,
     cols = groups[None, :, None] * 16 + lanes[None, None, :]
     mask = (rows[:, None, None] < M) & (cols < K)
     v = tl.load(x_ptr + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    quantize_groups_store(v, rows, groups, lanes, mask, q_ptr, s_ptr, K, G, FMAX, EPS)
+    gmask = (rows[:, None] < M) & (groups[None, :] < G)
+    quantize_groups_store(v, rows, groups, lanes, mask, gmask, q_ptr, s_ptr, K, G, FMAX, EPS)
 
 
 @triton.jit
