@@ -33,6 +33,7 @@ the backward reduce-scatters dx in bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -82,8 +83,7 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tens
     return fp8_gemm_reference(a, sa, bt, sb, out_dtype)
 
 
-@torch.library.custom_op("megacoat::fp8_wgrad_", mutates_args=("main_grad", "overwrite"))
-def fp8_wgrad_(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
+def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
                overwrite: torch.Tensor, hw: bool) -> None:
     """main_grad (+)= (gqt * sg) @ (xqt * sx)^T in fp32. The one-element CPU flag `overwrite` (the
     optimizer's: this is the step's first gradient) makes the GEMM write main_grad straight from its
@@ -93,7 +93,8 @@ def fp8_wgrad_(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
     written = False
-    if first and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw):
+    if (first and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw)
+            and scaled_mm_writes_out(gqt.device)):
         try:
             torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
                              out_dtype=torch.float32, out=mg)
@@ -110,7 +111,38 @@ def fp8_wgrad_(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt
     overwrite.fill_(False)
 
 
-@fp8_wgrad_.register_fake
+def scaled_mm_writes_out(device) -> bool:
+    """Whether this torch's `_scaled_mm` takes `out=` (asked once per device: a failing call inside
+    every backward would cost a raised exception each time)."""
+    device = torch.device(device)
+    return _scaled_mm_out_probe(device.type, device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _scaled_mm_out_probe(device_type: str, index: int) -> bool:
+    dev = torch.device(device_type, index)
+    a = torch.zeros(16, 16, device=dev, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                         out=torch.empty(16, 16, device=dev))
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+@torch.library.custom_op("megacoat::fp8_wgrad_", mutates_args=("main_grad", "overwrite"))
+def _fp8_wgrad_op(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
+                  overwrite: torch.Tensor, hw: bool) -> None:
+    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+
+
+def fp8_wgrad_(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool) -> None:
+    """Eager: the implementation (no custom-op dispatch cost); compiled: the opaque op."""
+    (_fp8_wgrad_op if fp8.is_compiling() else _fp8_wgrad_impl)(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+
+
+@_fp8_wgrad_op.register_fake
 def _(main_grad, gqt, sg, xqt, sx, overwrite, hw) -> None:
     return None
 
