@@ -6,7 +6,9 @@ traffic); GB/s and the fraction of 4300 GB/s (the H200's measured copy bandwidth
 kernels measured on this GPU for comparison (ms): 4-bit quantizer 1.22; Hadamard + 8-bit quantize +
 reorder 1.30; dequantize + reduce + requantize 0.67; dequantize + reduce + inverse Hadamard 0.34.
 TLq-HS kernels are sized as one rank of 2 nodes x 2 GPUs with a 256M-element fp32 bucket.
-Also: a plain fp32 copy of 256M elements, and the torch references on 32M elements (eager baseline).
+Also: a plain fp32 copy of 256M elements, the torch references on 32M elements (eager baseline),
+round 1 of these kernels (ROUND1_MS), a sweep of the tile (elements per program) and warps, and
+kernel == reference bit for bit on 8M elements for every kernel.
 
 Part 2 (CPU is enough): bytes each rank sends per step for the 1.36B model (h 2048, 24 layers, ffn
 5632, vocab 32000, tied embedding, default 40M-element buckets), plain vs qWD at DP=2 and plain vs
@@ -34,6 +36,11 @@ from megacoat.comm import codecs as C  # noqa: E402
 HBM_GBS = 4300.0
 SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_reduce_requantize_int8_to_int4": 0.67,
               "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
+# Round 1 of these kernels on the same H200 (benchmarks/results/raw/2026-11-30_run2_sdpbench.json).
+ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "tlq_encode_hadamard_int8": 1.1853,
+             "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
+# Tile sweep (elements per program, warps): the launchers read these module constants per call.
+SWEEP = [(4096, 4), (4096, 8), (8192, 4), (16384, 8)]
 
 
 def _bench(fn):
@@ -47,6 +54,9 @@ def _record(results, name, ms, nbytes, extra=None):
     if name in SDP4BIT_MS:
         rec["sdp4bit_ms"] = SDP4BIT_MS[name]
         rec["speedup_vs_sdp4bit"] = round(SDP4BIT_MS[name] / ms, 2)
+    if name in ROUND1_MS:
+        rec["round1_ms"] = ROUND1_MS[name]
+        rec["speedup_vs_round1"] = round(ROUND1_MS[name] / ms, 2)
     rec.update(extra or {})
     results[name] = rec
     print(f"{name:42s} {ms:8.3f} ms {gbs:8.0f} GB/s ({100 * gbs / HBM_GBS:5.1f}% of {HBM_GBS:.0f})"
@@ -63,9 +73,55 @@ def _safe(results, name, fn):
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def kernel_part(results, n=256 * 2 ** 20):
+def kernel_cases(n, dev, key):
+    """name -> (run, bytes moved, description, reference run or None) on n elements (TLq: 2 x 2)."""
     from megacoat.kernels import sdp4bit as K
-    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    master = torch.randn(n, device=dev, generator=g) * 0.02
+    w = (master + 1e-3 * torch.randn(n, device=dev, generator=g)).bfloat16()
+    msg = torch.empty(C.message_bytes(n, 4, 2048), dtype=torch.uint8, device=dev)
+    w2 = w.clone()  # n weights = the shards of 2 ranks, n/2 each
+    msgs = torch.empty(2, C.message_bytes(n // 2, 4, 2048), dtype=torch.uint8, device=dev)
+    for r in range(2):
+        K.encode_delta(master[r * n // 2:(r + 1) * n // 2], w[r * n // 2:(r + 1) * n // 2], msgs[r], 4, 2048, key,
+                       False)
+    L, N = 2, 2
+    S = n // (L * N)
+    grad = torch.randn(n, device=dev, generator=g)
+    grad[::4097] *= 50  # outliers, as in real gradients
+    m1 = torch.empty(L, C.message_bytes(N * S, 8, 128), dtype=torch.uint8, device=dev)
+    K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key)
+    m2 = torch.empty(N, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
+    K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key)
+    out = torch.empty(S, device=dev)
+    scale = C.as_fp32(1 / 128)
+    return {
+        "qwd_encode_delta_int4": (lambda: K.encode_delta(master, w, msg, 4, 2048, key, False), 6 * n + msg.numel(),
+                                  "fp32 master + bf16 weights -> int4 delta message (G 2048)",
+                                  (msg, lambda o: C.encode_delta_reference(master, w, o, 4, 2048, key, False))),
+        "qwd_apply_delta_int4": (lambda: K.apply_delta(msgs, w2, 4, 2048, False), 4 * n + msgs.numel(),
+                                 "bf16 weights += dequant(int4 messages of 2 ranks)", None),
+        "tlq_encode_hadamard_int8": (lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key),
+                                     4 * n + m1.numel(),
+                                     "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2",
+                                     (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, True,
+                                                                                   key))),
+        "tlq_encode_int8_no_hadamard": (lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, False, key),
+                                        4 * n + m1.numel(), "the same without the Hadamard transform (TLq)", None),
+        "tlq_reduce_requantize_int8_to_int4": (
+            lambda: K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
+            "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",
+            (m2, lambda o: C.reduce_requantize_reference(m1, o, N * S, 8, 128, 4, 128, N, key))),
+        "tlq_reduce_decode_inverse_hadamard": (
+            lambda: K.reduce_decode(m2, out, S, 4, 128, True, scale), m2.numel() + 4 * S,
+            "2 int4 messages of n/4 -> fp32 sum -> inverse Hadamard -> fp32 shard",
+            (out, lambda o: C.reduce_decode_reference(m2, o, S, 4, 128, True, scale))),
+    }
+
+
+def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=100.0, exact_n=8 * 2 ** 20, device="cuda"):
+    from megacoat.kernels import sdp4bit as K
+    dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
     key = C.derive_key(1, 2, 3)
 
@@ -73,47 +129,46 @@ def kernel_part(results, n=256 * 2 ** 20):
         x = torch.randn(n, device=dev, generator=g)
         y = torch.empty_like(x)
         _record(results, "fp32_copy", _bench(lambda: y.copy_(x)), 8 * n)
+        del x, y
     _safe(results, "fp32_copy", copy)
 
-    def qwd():
-        master = torch.randn(n, device=dev, generator=g) * 0.02
-        w = (master + 1e-3 * torch.randn(n, device=dev, generator=g)).bfloat16()
-        msg = torch.empty(C.message_bytes(n, 4, 2048), dtype=torch.uint8, device=dev)
-        ms = _bench(lambda: K.encode_delta(master, w, msg, 4, 2048, key, False))
-        _record(results, "qwd_encode_delta_int4", ms, 4 * n + 2 * n + msg.numel(),
-                {"what": "fp32 master + bf16 weights -> int4 delta message (G 2048)"})
-        w2 = w.clone()  # n weights = the shards of 2 ranks, n/2 each
-        msgs = torch.empty(2, C.message_bytes(n // 2, 4, 2048), dtype=torch.uint8, device=dev)
-        for r in range(2):
-            K.encode_delta(master[r * n // 2:(r + 1) * n // 2], w[r * n // 2:(r + 1) * n // 2], msgs[r], 4, 2048,
-                           key, False)
-        ms = _bench(lambda: K.apply_delta(msgs, w2, 4, 2048, False))
-        _record(results, "qwd_apply_delta_int4", ms, 4 * n + msgs.numel(),
-                {"what": "bf16 weights += dequant(int4 messages of 2 ranks)"})
-    _safe(results, "qwd", qwd)
+    cases = {}
+    _safe(results, "kernel_setup", lambda: cases.update(kernel_cases(n, dev, key)))
+    default = (K.TILE, K.WARPS)
+    for name, (run, nbytes, what, _) in cases.items():
+        def one(name=name, run=run, nbytes=nbytes, what=what):
+            run()  # compile outside the timing
+            _record(results, name, _bench(run), nbytes, {"what": what, "tile": default[0], "warps": default[1]})
+        _safe(results, name, one)
 
-    L, N = 2, 2
-    S = n // (L * N)
-
-    def tlq():
-        grad = torch.randn(n, device=dev, generator=g)
-        m1 = torch.empty(L, C.message_bytes(N * S, 8, 128), dtype=torch.uint8, device=dev)
-        ms = _bench(lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key))
-        _record(results, "tlq_encode_hadamard_int8", ms, 4 * n + m1.numel(),
-                {"what": "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2"})
-        m2 = torch.empty(N, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
-        ms = _bench(lambda: K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key))
-        _record(results, "tlq_reduce_requantize_int8_to_int4", ms, m1.numel() + m2.numel(),
-                {"what": "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations"})
-        out = torch.empty(S, device=dev)
-        scale = C.as_fp32(1 / 128)
-        ms = _bench(lambda: K.reduce_decode(m2, out, S, 4, 128, True, scale))
-        _record(results, "tlq_reduce_decode_inverse_hadamard", ms, m2.numel() + 4 * S,
-                {"what": "2 int4 messages of n/4 -> fp32 sum -> inverse Hadamard -> fp32 shard"})
-    _safe(results, "tlq", tlq)
+    def sweep():
+        """Other (elements per program, warps): informs the default (launchers read K.TILE/K.WARPS)."""
+        t0, table = time.time(), {}
+        try:
+            for tile, warps in SWEEP:
+                if time.time() - t0 > sweep_budget_s:
+                    table["stopped"] = f"time budget {sweep_budget_s} s"
+                    break
+                K.TILE, K.WARPS = tile, warps
+                for name, (run, nbytes, _, _) in cases.items():
+                    try:
+                        run()
+                        ms = _bench(run)
+                        table.setdefault(name, {})[f"{tile}x{warps}"] = {
+                            "ms": round(ms, 4), "frac_of_4300": round(nbytes / ms / 1e6 / HBM_GBS, 3)}
+                    except Exception as e:
+                        table.setdefault(name, {})[f"{tile}x{warps}"] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            K.TILE, K.WARPS = default
+        for name, row in table.items():
+            if isinstance(row, dict):
+                cells = "  ".join(f"{k}: {v.get('ms', 'err')}" for k, v in row.items())
+                print(f"sweep {name:40s} {cells}", flush=True)
+        results["tile_sweep"] = table
+    _safe(results, "tile_sweep", sweep)
 
     def references():
-        m = 32 * 2 ** 20
+        m = min(32 * 2 ** 20, n)
         grad = torch.randn(m, device=dev, generator=g)
         S2 = m // 4
         m1 = torch.empty(2, C.message_bytes(2 * S2, 8, 128), dtype=torch.uint8, device=dev)
@@ -122,17 +177,34 @@ def kernel_part(results, n=256 * 2 ** 20):
         ms = _bench(lambda: K.encode_partitioned(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
         _record(results, "triton_encode_hadamard_int8_32M", ms, 4 * m + m1.numel())
     _safe(results, "references", references)
+    cases.clear()
+    torch.cuda.empty_cache()
 
     def exactness():
-        m = 8 * 2 ** 20
-        grad = torch.randn(m, device=dev, generator=g)
-        S2 = m // 4
-        a = torch.empty(2, C.message_bytes(2 * S2, 8, 128), dtype=torch.uint8, device=dev)
-        b = torch.empty_like(a)
-        C.encode_partitioned_reference(grad, a, S2, 0, S2, 2, 2, 8, 128, True, key)
-        K.encode_partitioned(grad, b, S2, 0, S2, 2, 2, 8, 128, True, key)
-        results["bit_exact_encode_8M"] = bool(torch.equal(a, b))
-        print("kernel == reference (8M, Hadamard + int8):", results["bit_exact_encode_8M"], flush=True)
+        """Kernel output == torch reference output, bit for bit, on 8M elements (each checked kernel)."""
+        small = kernel_cases(exact_n, dev, key)
+        exact = {}
+        for name, (run, _, _, ref) in small.items():
+            if ref is None:
+                continue
+            buf, ref_run = ref
+            run()
+            got = buf.clone()
+            ref_run(buf)
+            exact[name] = bool(torch.equal(got, buf))
+        # apply: kernel vs reference on the same messages and weights
+        h = exact_n // 2
+        w = (torch.randn(exact_n, device=dev, generator=g) * 0.02).bfloat16()
+        msgs = torch.empty(2, C.message_bytes(h, 4, 2048), dtype=torch.uint8, device=dev)
+        for r in range(2):
+            C.encode_delta_reference(w[r * h:(r + 1) * h].float() * 1.01, w[r * h:(r + 1) * h], msgs[r], 4, 2048, key,
+                                     False)
+        w1, w2 = w.clone(), w.clone()
+        K.apply_delta(msgs, w1, 4, 2048, False)
+        C.apply_delta_reference(msgs, w2, 4, 2048, False)
+        exact["qwd_apply_delta_int4"] = bool(torch.equal(w1, w2))
+        results["bit_exact"] = {"elements": exact_n, **exact}
+        print(f"kernel == reference ({exact_n} elements):", exact, flush=True)
     _safe(results, "exactness", exactness)
 
 

@@ -35,7 +35,8 @@ def comp(fn, sig, consts):
     assert re.search(r"ld\.global\S*\.v[24]\.", ptx), ("no vector loads", name)
     assert not re.search(r"ld\.global\S*\.[bu](8|16) ", ptx), ("byte-wise loads", name)
     assert not re.search(r"(div|rem)\.[su]64", ptx), ("64-bit integer division", name)
-    assert not re.search(r"cvt\.(rn|rz|rm|rp)i?\.[su]32\.f32|cvt\.rn\.f32\.[su]32|cvt\.rmi\.f32", ptx), ("conversion", name)
+    cvt = r"cvt\.(rn|rz|rm|rp)i?\.[su]32\.f32|cvt\.rn\.f32\.[su]32|cvt\.rmi\.f32"
+    assert not re.search(cvt, ptx), ("float<->int conversion", name)
     assert "fma.rn.f32" not in ptx, ("FMA contraction", name)
     return ptx
 

@@ -105,6 +105,7 @@ def _qwd(rank, world, bits, directly):
     gaps = []
     for step in range(steps):
         master -= 1e-3 * torch.randn(S, generator=mg)  # a random update of the owned shard
+        comm.set_iteration(step)  # as the optimizer does: a new rounding stream every step
         comm.gather_params(weights, weights[rank * S:(rank + 1) * S], master, async_op=step % 2 == 0).wait()
         gaps.append((weights[rank * S:(rank + 1) * S].float() - master).abs().max().item())
     everyone = [torch.empty_like(weights) for _ in range(world)]
@@ -143,10 +144,21 @@ def _repro(rank, world):
         res = []
         for step in range(3):
             b = _bucket(rank, world, S, seed=step)
+            comm.set_iteration(step)
             comm.reduce_grads(b, b[rank * S:(rank + 1) * S], async_op=True).wait()
             res.append(b[rank * S:(rank + 1) * S].clone())
         outs.append(torch.cat(res))
     assert torch.equal(outs[0], outs[1])
+    # the stream is keyed by the iteration alone (what a resumed run restores), not by call counts
+    comm = _comm(ctx, seed=9, quantized_gradients=True, hadamard_transform=True)
+    b = _bucket(rank, world, S, seed=2)
+    comm.set_iteration(2)
+    comm.reduce_grads(b, b[rank * S:(rank + 1) * S], async_op=True).wait()
+    assert torch.equal(b[rank * S:(rank + 1) * S], outs[0][2 * S:])
+    b = _bucket(rank, world, S, seed=2)
+    comm.set_iteration(3)
+    comm.reduce_grads(b, b[rank * S:(rank + 1) * S], async_op=True).wait()
+    assert not torch.equal(b[rank * S:(rank + 1) * S], outs[0][2 * S:])
     # a different seed gives a different rounding
     comm = _comm(ctx, seed=10, quantized_gradients=True, hadamard_transform=True)
     b = _bucket(rank, world, S, seed=0)

@@ -14,8 +14,9 @@
   level-2 all-to-all is in flight while slice k+1 is reduced.
 What is not quantized goes through `PlainShardedComm`.
 
-Stochastic rounding draws from a hash of (seed, round, DP rank, bucket, slice, hop, element):
-the same run reproduces bit for bit; `round` counts this bucket's calls (see state_dict).
+Stochastic rounding draws from a hash of (seed, iteration, DP rank, bucket, slice, hop, element):
+the same run reproduces bit for bit, and so does a resumed one (the iteration is the optimizer's
+checkpointed step count, passed in with set_iteration).
 On CUDA the gradient chain runs on a side stream (its collectives' waits are stream waits), so
 the backward pass continues while a bucket is being reduced.
 """
@@ -57,25 +58,18 @@ class SDP4BitComm:
                              "check --ranks-per-node")
         self.intra_group, self.inter_group = ctx.dp_intra_group, ctx.dp_inter_group
         self.plain = PlainShardedComm(ctx.dp_group, stats)
-        self.rounds: Dict[Tuple[str, int], int] = {}
+        self.iteration = 0  # set by the optimizer (set_iteration) before every step's collectives
         self._exact_gather = False
         self._stream = None
 
     # ------------------------------------------------------------------------------ helpers
+    def set_iteration(self, iteration: int) -> None:
+        """The optimizer's iteration (its checkpointed step count): it keys the random streams, so a
+        resumed run rounds exactly as an uninterrupted one."""
+        self.iteration = int(iteration)
+
     def _key(self, kind: str, bucket: int, *ids: int) -> codecs.Key:
-        return codecs.derive_key(self.seed, 1 if kind == "grad" else 2, self.rounds[(kind, bucket)], self.rank,
-                                 bucket, *ids)
-
-    def _next_round(self, kind: str, bucket: int) -> None:
-        k = (kind, bucket)
-        self.rounds[k] = self.rounds.get(k, -1) + 1
-
-    def state_dict(self) -> dict:
-        """Call counters of the random streams (restore them for a bit-exact continuation)."""
-        return {"rounds": {f"{k}:{b}": v for (k, b), v in self.rounds.items()}}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.rounds = {(s.split(":")[0], int(s.split(":")[1])): v for s, v in d["rounds"].items()}
+        return codecs.derive_key(self.seed, 1 if kind == "grad" else 2, self.iteration, self.rank, bucket, *ids)
 
     @contextmanager
     def exact_gathers(self):
@@ -100,7 +94,6 @@ class SDP4BitComm:
             raise ValueError(f"bucket of {bucket_grad.numel()} elements / shard of {S}: the shard must be a multiple "
                              f"of the gradient quantization group ({unit}); pad buckets with shard_alignment")
         bucket = bucket_grad.storage_offset()
-        self._next_round("grad", bucket)
         for kind, n in self.grad_wire_bytes(S).items():
             self.stats.add(kind, n)
         chain = self._reduce_chain(bucket_grad, shard_out, bucket)
@@ -212,7 +205,6 @@ class SDP4BitComm:
             raise ValueError(f"weight shard of {S} elements is not a multiple of --wq-group-size {G}: pad buckets "
                              "with shard_alignment")
         bucket = bucket_param.storage_offset()
-        self._next_round("param", bucket)
         msg = torch.empty(codecs.message_bytes(S, bits, G), dtype=torch.uint8, device=shard_param.device)
         codecs.encode_delta(master_shard, shard_param, msg, bits, G, self._key("param", bucket),
                             c.quantize_weights_directly)
