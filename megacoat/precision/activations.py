@@ -9,7 +9,8 @@ below elsewhere):
 - `fp8_norm(x, weight, bias, eps, rms, residual=None)` -> `(stream, y, y_amax)`: RMSNorm or
   LayerNorm of `stream = x (+ residual)`. The optional residual add is fused (the bf16 residual
   stream is kept and returned, its 1x16 FP8 copy is made in the same pass). Saved: the stream as
-  E4M3 1x16 (bf16 group scales, rounded up) + fp32 rstd (+ fp32 mean for LayerNorm). `y` is emitted in bf16 together with its
+  E4M3 1x16 (bf16 group scales, rounded up) + fp32 rstd (+ fp32 mean for LayerNorm). `y` is
+  emitted in bf16 together with its
   per-tensor amax (reduced by the same kernel: a 0-d device tensor), so the following FP8 linear casts it
   to per-tensor E4M3 (and the transposed copy for its wgrad) in one pass without an amax pass;
   the linear saves that FP8 copy, never the bf16 `y`.
@@ -158,7 +159,7 @@ def _kernel_ok(*tensors) -> bool:
 
 
 def _norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
-              eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                   eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
     if _kernel_ok(x, residual, weight, bias):
         return act_kernels.norm_fwd(x, residual, weight, bias, eps, rms)
@@ -167,7 +168,7 @@ def _norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: to
 
 @torch.library.custom_op("megacoat::fp8_norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
-              eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
     return _norm_fwd_impl(x, residual, weight, bias, eps, rms)
 
@@ -187,7 +188,7 @@ def _(x, residual, weight, bias, eps, rms):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-              weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernel_ok(dy, xq, xs, rstd, weight):
         return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms)
     return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms)
@@ -195,7 +196,7 @@ def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: t
 
 @torch.library.custom_op("megacoat::fp8_norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-              weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms)
 
 
