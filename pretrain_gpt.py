@@ -22,6 +22,11 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     configure_library_logging()  # e.g. progress while the default corpus is built on first use
     try:
+        if cfg.train.dry_run:  # plan only: no process group, no GPU, no data loading
+            from megacoat.data import build_tokenizer
+            from megacoat.training.planner import dry_run
+            dry_run(cfg, build_tokenizer(cfg.data).vocab_size, sys.stdout)
+            return 0
         pretrain(cfg)
     except (ConfigError, DataConfigError, TokenizerError, LaunchError) as e:
         # Configuration errors are found identically by every rank: print them once, not once per rank.

@@ -55,6 +55,8 @@ class InitSpec:
             if self.std is None:
                 param.zero_()
                 return
+            if param.is_meta:  # --dry-run plans shapes on the meta device: nothing to draw
+                return
             gen = param_generator(self.seed, name, param.device)
             full = torch.zeros(full_shape, dtype=torch.float32, device=param.device)
             rows = full_shape[0] if self.valid_rows is None else self.valid_rows

@@ -1,0 +1,282 @@
+"""`--dry-run`: plan a run without GPUs and without starting its ranks.
+
+For every position of the rank grid (pipeline stage x tensor-parallel rank; data-parallel ranks
+of one position hold equal-sized shards), the real model and optimizer are built on the meta
+device under a fake process group of `--world-size` ranks: the layout, the buffers, buckets and
+shards are the ones a real run makes, so are the configuration errors. Reported per rank:
+
+- model-state memory: weights, gradients, fp32 master weights, optimizer states for each state
+  format (fp32, bf16, COAT fp8 with group statistics), as the optimizer allocates them;
+- an activation estimate per micro-batch for each precision recipe (bf16, FP8 tensorwise, COAT);
+  see `activation_bytes_per_token_layer` for the model (an estimate, not an allocation);
+- bytes this rank sends per step for data-parallel gradient and parameter sync, for plain and
+  each SDP4Bit option, from the same formulas the communication layer counts with.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.plain import ring_all_reduce_bytes, ring_shard_bytes
+from ..comm.sdp4bit import SDP4BitComm
+from ..config import ConfigError, MegacoatConfig, num_microbatches, validate_config
+from ..model.gpt import padded_vocab_size
+from ..model.stages import build_model_chunks
+from ..model.transformer import LayerContext
+from ..optim.buffers import ParamGradBuffer, shard_alignment
+from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
+from ..parallel.context import ParallelContext
+from ..precision.recipe import resolve_precision
+
+META = torch.device("meta")
+STATE_FORMATS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8")}
+COMM_OPTIONS = {  # name -> (quantized_weights, quantized_gradients); only with --use-distributed-optimizer
+    "plain": (False, False), "qWD": (True, False), "TLq-HS": (False, True), "qWD+TLq-HS": (True, True)}
+
+
+@dataclass
+class RankPlan:
+    ranks: List[int]                      # the global ranks of this grid position (one per DP rank)
+    pp_rank: int
+    tp_rank: int
+    params: int                           # parameters held by each of these ranks (TP/PP-local)
+    layers: int
+    weights: int                          # bytes
+    grads: int
+    master: Dict[str, int]                # optimizer-state format -> bytes of fp32 master weights
+    states: Dict[str, int]                # optimizer-state format -> bytes of the moments
+    activations: Dict[str, int]           # recipe -> bytes per micro-batch (estimate)
+    in_flight: int                        # micro-batches whose activations a stage holds at once (1F1B)
+    comm: Dict[str, Dict[str, int]]       # option -> kind -> bytes sent per step
+    buckets: List[int] = field(default_factory=list)  # bucket sizes (elements)
+
+
+def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, recipe: str, tp: int,
+                                     sequence_parallel: bool, activation: str = "swiglu") -> float:
+    """Bytes saved for backward per token by one transformer layer (an estimate).
+
+    Saved per token (h hidden, f ffn, kv key/value width), bf16 = 2 bytes per element:
+      norm1 input h, norm1 output h (QKV GEMM input), q h + k kv + v kv (attention backward; flash /
+      SDPA saves no s x s matrix), attention output h (projection input), norm2 input h, norm2
+      output h (MLP GEMM input), MLP: gate f + up f + product f (SwiGLU) or pre-activation f +
+      activation f (GELU). GEMM inputs (norm outputs, attention output, product) are FP8 (1 byte)
+      under tensorwise and coat; coat also keeps norm inputs, gate and up in FP8 with one fp32
+      scale per 16 values (DESIGN 5.3). Under TP the attention and MLP parts are split over ranks;
+      the norm / residual parts too with sequence parallelism.
+    """
+    mlp = 3 * ffn if activation == "swiglu" else 2 * ffn
+    fp8 = recipe in ("tensorwise", "coat")
+    grouped = 1 + 4 / 16  # FP8 1x16 with an fp32 scale per group
+    gemm_in = 1 if fp8 else 2
+    norm_in = grouped if recipe == "coat" else 2
+    mlp_pointwise = grouped if recipe == "coat" else 2
+    replicated = 2 * norm_in * hidden + 2 * gemm_in * hidden          # norm inputs, norm outputs
+    split = (2 * (hidden + 2 * kv_hidden) + gemm_in * hidden            # q, k, v; attention output
+             + mlp_pointwise * (mlp - ffn) + gemm_in * ffn)             # gate/up (pre-act) ; down input
+    return replicated / (tp if sequence_parallel else 1) + split / tp
+
+
+def _layers_of(chunks) -> int:
+    return sum(len(c.layers) for c in chunks if hasattr(c, "layers"))
+
+
+def _fake_group(rank: int, world: int) -> None:
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # pragma: no cover - torch < 2.1
+        raise ConfigError("--dry-run needs torch's fake process group (torch >= 2.1).") from e
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def _tensor_bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _state_bytes(opt) -> int:
+    """Bytes of the optimizer's moment states as allocated (tensors of its codec)."""
+    codec = opt.codec
+    if hasattr(codec, "m"):  # flat codec: MomentState m, v (data + fp8 group statistics)
+        return sum(_tensor_bytes(getattr(s, a)) for s in (codec.m, codec.v) for a in ("data", "s", "k", "c"))
+    return sum(_tensor_bytes(st["exp_avg"]) + _tensor_bytes(st["exp_avg_sq"]) for st in codec.opt.state.values())
+
+
+def _master_bytes(opt) -> int:
+    if getattr(opt, "master_flat", None) is not None:
+        return _tensor_bytes(opt.master_flat)
+    ids = {id(p) for p in opt.params}
+    return sum(_tensor_bytes(m) for m in opt.masters if id(m) not in ids)
+
+
+def _grad_bytes(opt) -> int:
+    if hasattr(opt, "buffer"):
+        return _tensor_bytes(opt.buffer.grad_data)
+    return sum(b.numel() * b.element_size() for b in opt.grad_buffer.buckets)
+
+
+def _weight_bytes(opt) -> int:
+    if hasattr(opt, "buffer"):
+        return _tensor_bytes(opt.buffer.param_data)
+    return sum(_tensor_bytes(p) for p in opt.params)
+
+
+def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: torch.dtype,
+                bucket_size: int) -> Dict[str, Dict[str, int]]:
+    """Bytes sent per step by this rank's data-parallel sync, per option. The ZeRO layout (buckets
+    padded to shard_alignment) is the same for every option; the non-sharded optimizer all-reduces
+    its unpadded buckets."""
+    dp = ctx.dp_size
+    grad_elem = torch.empty((), dtype=grad_dtype).element_size()
+    param_elem = params[0].element_size()
+    out: Dict[str, Dict[str, int]] = {}
+    # Non-sharded: one all-reduce per bucket (the same bucketing as GradBuffer).
+    sizes, size = [], 0
+    order = list(reversed(params))
+    for p in order:
+        size += p.numel()
+        if size >= bucket_size or p is order[-1]:
+            sizes.append(size)
+            size = 0
+    out["all-reduce (no ZeRO)"] = {"grad": sum(ring_all_reduce_bytes(n, grad_elem, dp) for n in sizes), "param": 0}
+    buf = ParamGradBuffer([torch.empty_like(p, device=META).requires_grad_() for p in params], grad_dtype, dp,
+                          ctx.dp_rank, bucket_size, shard_alignment(dp))
+    for name, (qw, qg) in COMM_OPTIONS.items():
+        c = dataclasses.replace(cfg.comm, quantized_weights=qw, quantized_gradients=qg)
+        sdp = SDP4BitComm(c, ctx, None, 0)
+        kinds: Dict[str, int] = {}
+        for b in buf.buckets:
+            grad = sdp.grad_wire_bytes(b.shard_size) if qg else \
+                {"grad": ring_shard_bytes(b.numel, grad_elem, dp)}
+            for k, v in grad.items():
+                kinds[k] = kinds.get(k, 0) + v
+            kinds["param"] = kinds.get("param", 0) + (
+                sdp.param_wire_bytes(b.shard_size) if qw and dp > 1 else ring_shard_bytes(b.numel, param_elem, dp))
+        out[name] = kinds
+    return out
+
+
+def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, target: torch.device) -> List[RankPlan]:
+    """Plans of every DP rank at the grid position of `rank`: the model is built once on the meta
+    device, the optimizer once per DP rank and state format (shards differ per DP rank: the last
+    one holds the bucket padding, which the per-segment torch AdamW does not allocate)."""
+    p = cfg.parallel
+    _fake_group(rank, world)
+    try:
+        ctx0 = ParallelContext.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, META,
+                                     p.ranks_per_node)
+        recipe = resolve_precision(cfg.train, target, p.grad_reduce_in_bf16, cfg.precision,
+                                   num_microbatches(cfg, ctx0.dp_size))
+        padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, ctx0.tp_size)
+        lc = LayerContext(ctx0.tp_group, p.sequence_parallel, None, recipe.params_dtype, META, cfg.train.seed,
+                          fp8=recipe.fp8)
+        model, chunks = build_model_chunks(cfg.model, p, lc, ctx0, vocab_size, padded, compile_layers=False)
+        params = [q for q in model.parameters() if q.requires_grad]
+        bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx0.dp_size)
+        m = cfg.model
+        kv = m.num_query_groups * m.kv_channels
+        tokens = cfg.train.micro_batch_size * m.seq_length
+        layers = _layers_of(chunks)
+        acts = {r: int(tokens * layers * activation_bytes_per_token_layer(
+            m.hidden_size, m.ffn_hidden_size, kv, r, ctx0.tp_size, p.sequence_parallel, m.activation))
+            for r in ("bf16", "tensorwise", "coat")}
+        in_flight = min(ctx0.pp_size - ctx0.pp_rank, num_microbatches(cfg, ctx0.dp_size)) * len(chunks)
+        plans = []
+        for d, global_rank in enumerate(ctx0.dp_ranks):
+            ctx = dataclasses.replace(ctx0, dp_rank=d, rank=global_rank)
+            states, masters, sizes = {}, {}, None
+            for fmt, (mom1, mom2) in STATE_FORMATS.items():
+                c = copy.deepcopy(cfg)
+                c.optim.use_precision_aware_optimizer = fmt != "fp32"
+                c.optim.exp_avg_dtype, c.optim.exp_avg_sq_dtype = mom1, mom2
+                opt = build_optimizer(model, c, ctx, recipe.grad_dtype)
+                states[fmt], masters[fmt] = _state_bytes(opt), _master_bytes(opt)
+                if sizes is None:
+                    sizes = (_weight_bytes(opt), _grad_bytes(opt),
+                             [b.numel for b in opt.buffer.buckets] if hasattr(opt, "buffer") else
+                             [b.numel() for b in opt.grad_buffer.buckets])
+            weights, grads, buckets = sizes
+            plans.append(RankPlan(ranks=[global_rank], pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank,
+                                  params=sum(q.numel() for q in params), layers=layers, weights=weights, grads=grads,
+                                  master=masters, states=states, activations=acts, in_flight=in_flight,
+                                  comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket), buckets=buckets))
+        return plans
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_run(cfg: MegacoatConfig, world: int, vocab_size: int, target: Optional[torch.device] = None) -> List[RankPlan]:
+    """One plan per rank of a `world`-rank run, ordered by rank (raises ConfigError)."""
+    if dist.is_initialized():
+        raise ConfigError("--dry-run plans without starting ranks: run it as one process (python pretrain_gpt.py "
+                          "--dry-run --world-size N ...), not under torchrun.")
+    validate_config(cfg, world)
+    target = target or (torch.device("cpu") if cfg.train.use_cpu else torch.device("cuda"))
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    dp = world // (tp * pp)
+    plans = []
+    for stage in range(pp):
+        for t in range(tp):
+            try:
+                plans += plan_position(cfg, world, stage * dp * tp + t, vocab_size, target)
+            except ValueError as e:  # layout problems found while building (e.g. uneven two-level groups)
+                raise ConfigError(str(e)) from e
+    return sorted(plans, key=lambda pl: pl.ranks[0])
+
+
+def group_plans(plans: List[RankPlan]) -> List[RankPlan]:
+    """Ranks with identical plans as one row (e.g. all DP ranks but the last)."""
+    rows: Dict[tuple, RankPlan] = {}
+    for pl in plans:
+        key = repr(dataclasses.replace(pl, ranks=[]))
+        if key in rows:
+            rows[key].ranks.append(pl.ranks[0])
+        else:
+            rows[key] = dataclasses.replace(pl, ranks=list(pl.ranks))
+    return list(rows.values())
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB below 1 GiB (small models stay readable)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    zero = p.use_distributed_optimizer
+    current = "all-reduce (no ZeRO)" if not zero else \
+        {v: k for k, v in COMM_OPTIONS.items()}[(cfg.comm.quantized_weights, cfg.comm.quantized_gradients)]
+    fmt_now = cfg.optim.exp_avg_dtype if cfg.optim.use_precision_aware_optimizer else "fp32"
+    recipe_now = cfg.precision.fp8_recipe if cfg.precision.fp8_format else "bf16"
+    lines = [f"dry run: world {world} = TP {tp} x PP {pp} x DP {world // (tp * pp)}; "
+             f"{'ZeRO' if zero else 'non-sharded'} optimizer; micro-batch {cfg.train.micro_batch_size} x seq "
+             f"{cfg.model.seq_length}; {num_microbatches(cfg, world // (tp * pp))} micro-batches per step",
+             "memory per rank; * marks what this configuration uses"]
+    for pl in group_plans(plans):
+        ranks = pl.ranks if len(pl.ranks) <= 8 else pl.ranks[:4] + ["..."] + pl.ranks[-2:]  # its DP ranks
+        lines.append(f"ranks {', '.join(map(str, ranks))} (PP stage {pl.pp_rank}, TP rank {pl.tp_rank}): "
+                     f"{pl.params:,} parameters, {pl.layers} layers, {len(pl.buckets)} bucket(s)")
+        lines.append(f"  weights {_gib(pl.weights)} | gradients {_gib(pl.grads)} | optimizer states (moments + "
+                     f"fp32 master weights): " + ", ".join(f"{k}{'*' if k == fmt_now else ''} {_gib(v)} + "
+                                                           f"{_gib(pl.master[k])}" for k, v in pl.states.items()))
+        lines.append(f"  activations per micro-batch (estimate): " +
+                     ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
+                     + f" | up to {pl.in_flight} micro-batch(es) in flight")
+        total = pl.weights + pl.grads + pl.master[fmt_now] + pl.states[fmt_now] + pl.activations[recipe_now] * pl.in_flight
+        lines.append(f"  total with this configuration (estimate): {_gib(total)}")
+        lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
+            f"{k}{'*' if k == current else ''}: " + ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in d.items())
+            for k, d in pl.comm.items()))
+    return "\n".join(lines)
+
+
+def dry_run(cfg: MegacoatConfig, vocab_size: int, stream) -> List[RankPlan]:
+    world = cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    plans = plan_run(cfg, world, vocab_size)
+    print(format_plan(cfg, world, plans), file=stream, flush=True)
+    return plans

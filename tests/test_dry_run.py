@@ -1,0 +1,109 @@
+"""--dry-run: its byte counts equal the counters of real CPU runs with the same flags, its
+model-state sizes equal what real ranks allocate, and configuration errors surface in it."""
+import json
+import os
+
+import pytest
+import torch
+
+from megacoat.config import ConfigError, parse_args
+from megacoat.training.planner import (_grad_bytes, _master_bytes, _state_bytes, _weight_bytes,
+                                       activation_bytes_per_token_layer, plan_run)
+from dist_utils import run_distributed
+from test_cli import TINY, run_cli
+
+BASE = TINY + ["--fp32", "--num-workers", "0", "--train-iters", "2", "--global-batch-size", "8"]
+
+
+def _plan_for_rank(plans, rank):
+    (pl,) = [p for p in plans if p.ranks == [rank]]
+    return pl
+
+
+def _last_record(path):
+    return [json.loads(x) for x in open(path) if "lm_loss" in x][-1]
+
+
+@pytest.mark.parametrize("extra,world,option", [
+    ([], 2, "all-reduce (no ZeRO)"),
+    (["--use-distributed-optimizer", "--ddp-bucket-size", "20000"], 2, "plain"),
+    (["--use-distributed-optimizer", "--ddp-bucket-size", "20000", "--ranks-per-node", "2", "--quantized-weights",
+      "--quantized-gradients", "--hadamard-transform"], 4, "qWD+TLq-HS"),
+])
+def test_dry_run_bytes_equal_a_real_runs_counters(tmp_path, extra, world, option):
+    log = tmp_path / "log.jsonl"
+    r = run_cli(BASE + extra + ["--log-json", str(log)], nproc=world)
+    assert r.returncode == 0, r.stderr[-3000:]
+    real = {k: v for k, v in _last_record(log)["comm_bytes_per_iter"].items() if v}
+    cfg = parse_args(BASE + extra)
+    plans = plan_run(cfg, world, 301, torch.device("cpu"))
+    planned = {k: v for k, v in _plan_for_rank(plans, world - 1).comm[option].items() if v}  # the logging rank
+    assert planned == real and real, (planned, real)
+
+
+def _allocated(rank, world, flags, out_dir):
+    """In a real DP rank: build the trainer per optimizer-state format, record what it allocated."""
+    from megacoat.training.trainer import Trainer
+    res = {}
+    for fmt in ("fp32", "bf16", "fp8"):
+        extra = [] if fmt == "fp32" else ["--use-precision-aware-optimizer", "--exp-avg-dtype", fmt,
+                                          "--exp-avg-sq-dtype", fmt]
+        tr = Trainer(parse_args(flags + extra))
+        opt = tr.optimizer
+        storage = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - what is really allocated
+        if hasattr(opt, "buffer"):
+            assert storage(opt.buffer.param_data) == _weight_bytes(opt)
+            assert storage(opt.buffer.grad_data) == _grad_bytes(opt)
+        if getattr(opt, "master_flat", None) is not None:
+            assert storage(opt.master_flat) == _master_bytes(opt)
+        res[fmt] = dict(weights=_weight_bytes(opt), grads=_grad_bytes(opt), master=_master_bytes(opt),
+                        states=_state_bytes(opt), params=sum(p.numel() for p in opt.params))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+@pytest.mark.parametrize("extra,world", [
+    (["--use-distributed-optimizer", "--ddp-bucket-size", "20000", "--bf16"], 2),
+    (["--tensor-model-parallel-size", "2", "--bf16"], 2),
+])
+def test_dry_run_state_sizes_equal_real_allocations(tmp_path, extra, world):
+    flags = [f for f in BASE if f != "--fp32"] + extra
+    run_distributed(_allocated, world, flags, str(tmp_path))
+    plans = plan_run(parse_args(flags), world, 301, torch.device("cpu"))
+    for rank in range(world):
+        real = json.load(open(tmp_path / f"rank{rank}.json"))
+        pl = _plan_for_rank(plans, rank)
+        for fmt, r in real.items():
+            assert (pl.params, pl.weights, pl.grads, pl.master[fmt], pl.states[fmt]) == \
+                (r["params"], r["weights"], r["grads"], r["master"], r["states"]), (rank, fmt)
+
+
+def test_configuration_errors_surface_in_the_dry_run():
+    with pytest.raises(ConfigError, match="not divisible by --tensor-model-parallel-size 4"):
+        plan_run(parse_args(BASE + ["--tensor-model-parallel-size", "4"]), 6, 301)
+    with pytest.raises(ConfigError, match="need --use-distributed-optimizer"):
+        plan_run(parse_args(BASE + ["--quantized-gradients"]), 2, 301)
+    with pytest.raises(ConfigError, match="spread unevenly over nodes"):
+        plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--ranks-per-node", "3"]), 4, 301)
+
+
+def test_dry_run_from_the_command_line_plans_a_7b_layout():
+    r = run_cli(["--dry-run", "--world-size", "32", "--ranks-per-node", "8", "--num-layers", "32", "--hidden-size",
+                 "4096", "--ffn-hidden-size", "11008", "--num-attention-heads", "32", "--seq-length", "4096",
+                 "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
+                 "--mock-data", "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "64"],
+                timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "world 32 = TP 2 x PP 1 x DP 16" in out
+    assert "3,303,804,928 parameters" in out  # 6.74B model / TP 2 (+ padded vocabulary)
+    assert "weights 6.16 GiB" in out and "fp8 430.87 MiB + 787.88 MiB" in out  # bf16 weights; COAT states of a 1/16 shard
+
+
+def test_activation_estimate_orders_recipes_and_splits_over_tp():
+    h, f = 4096, 11008
+    bf16, tw, coat = (activation_bytes_per_token_layer(h, f, h, r, 1, False) for r in ("bf16", "tensorwise", "coat"))
+    assert coat < tw < bf16
+    # By hand, bf16: 2 bytes x (4h norm in/out + 3h qkv + h attn out + 3f gate/up/product).
+    assert bf16 == 2 * (4 * h + 3 * h + h + 3 * f)
+    assert activation_bytes_per_token_layer(h, f, h, "bf16", 2, True) == bf16 / 2
