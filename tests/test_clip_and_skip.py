@@ -167,7 +167,9 @@ def test_fused_codec_skip_gpu(bad):
 def test_fused_optimizer_skips_non_finite_step_gpu():
     """bf16 weights on the GPU: a NaN gradient skips the step without the host reading the norm."""
     device = torch.device("cuda")
-    model, opt, m = _optimizer_vs_torch(device, torch.bfloat16, clip=1.0)
+    # clip 0.5: the bf16 model's gradient norm on the H200 is ~1.7, so the setup step clips (factor ~0.29);
+    # with 1.0 the set-up's own "really clips" check failed there (factor 0.58).
+    model, opt, m = _optimizer_vs_torch(device, torch.bfloat16, clip=0.5)
     run_step(model, opt, batches(1, 2, 2, m.seq_length), 2)
     opt.norm_overlap = None  # the NaN is written after the backward, where the overlapped norm already read
     next(model.parameters()).main_grad.view(-1)[3] = float("nan")
