@@ -68,6 +68,22 @@ def test_quantizer_unbiased_over_seeds():
     assert (mean - x).abs().mean() < 0.02 * step.mean()
 
 
+def test_int4_needs_no_clamp_int8_does():
+    """The 4-bit kernels skip the clamp: for qmax = 7, x * inv + r < 7.5 for every fp32 amax, even at
+    x = amax with the largest offset. For qmax = 127 a tie at 127.5 exists (so int8 clamps)."""
+    g = torch.Generator().manual_seed(0)
+    mant = torch.randint(0, 1 << 23, (1 << 20,), generator=g, dtype=torch.int32)
+    expo = torch.randint(1, 254, (1 << 20,), generator=g, dtype=torch.int32)
+    amax = ((expo << 23) | mant).view(torch.float32)
+    amax = amax[amax >= C.MIN_AMAX]
+    r_max = torch.tensor(0.5 - 2 ** -17)
+    for qmax, can_overflow in ((7, False), (127, True)):
+        inv = torch.full_like(amax, float(qmax)) / amax
+        v = amax * inv + r_max  # fp32, rounded after each operation like the kernels
+        over = (v + C.MAGIC).view(torch.int32) - C.MAGIC_BITS > qmax
+        assert bool(over.any()) == can_overflow, qmax
+
+
 def test_nonfinite_group_dequantizes_to_nan():
     x = torch.randn(3, 64)
     x[1, 5] = float("inf")

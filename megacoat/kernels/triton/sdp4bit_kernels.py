@@ -73,7 +73,10 @@ def quantize_rows(x, r, QMAX: tl.constexpr):
     inv = tl.where(pos, tl.math.div_rn(qmax, amax), 0.0)
     v = x * inv[:, None] + r
     c = (v + _MAGIC).to(tl.int32, bitcast=True) - (_MAGIC_BITS - QMAX - 1)
-    c = tl.minimum(tl.maximum(c, 1), 2 * QMAX + 1)
+    if QMAX > 7:
+        # |x * inv| <= qmax + ulp(qmax): for qmax = 127, v can reach 127.5 (a tie rounding to 128).
+        # For qmax = 7, v < 7.5 always (ulp(7) = 2^-21 < 2^-17 of headroom in r): no clamp needed.
+        c = tl.minimum(tl.maximum(c, 1), 2 * QMAX + 1)
     c = tl.where(bad[:, None], QMAX + 1, c)
     return c, tl.where(bad, float("nan"), scale)
 
@@ -248,10 +251,11 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
     rmask = rows < m // G_OUT
     pos0 = rows.to(tl.int64) * G_OUT  # within destination d's message
     e0 = d * m + pos0  # within the summed n elements (also the stream index)
-    acc = tl.zeros((R, G_OUT), dtype=tl.float32)
-    for _ in range(nsrc):  # the pointer advances one message per source (64-bit pointer arithmetic)
-        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
+    # fp32 sum in source order; the reference's 0 + first term equals the first term (never -0)
+    acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
+    for _ in range(1, nsrc):  # the pointer advances one message per source (64-bit pointer arithmetic)
         in_ptr += msg_in
+        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     r = rounding_offsets(e0, k1, k2, R, G_OUT)
     c, scale = quantize_rows(acc, r, (1 << (BITS_OUT - 1)) - 1)
     msg = out_ptr + d.to(tl.int64) * msg_out
@@ -267,10 +271,10 @@ def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexp
     rows = t * R + tl.arange(0, R)
     rmask = rows < n // G
     e0 = rows.to(tl.int64) * G
-    acc = tl.zeros((R, G), dtype=tl.float32)
-    for _ in range(nsrc):
-        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
+    acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
+    for _ in range(1, nsrc):
         in_ptr += msg
+        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
     if HADAMARD:
         acc = hadamard_tile(acc, R, G)
     y = acc * scale
