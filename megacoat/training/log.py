@@ -160,7 +160,8 @@ class IterationLogger:
                 parts.append("comm bytes/iter: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
                                                             for k, v in comm.items() if v))
             print(" | ".join(parts) + " |", file=self.stream, flush=True)
-            record = dict(iteration=it, consumed_samples=state.consumed_samples, time_per_iter_s=dt,
+            record = dict(iteration=it, consumed_samples=state.consumed_samples,
+                          consumed_tokens=state.consumed_samples * self.cfg.model.seq_length, time_per_iter_s=dt,
                           lr=self._last_lr, lm_loss=loss, grad_norm=norm, skipped=skipped,
                           nan=nan, tokens_per_s=tokens_per_s, tflops_per_gpu=tflops,
                           mfu=(tflops / self.peak if self.peak else None), peak_mem_gib=mem,

@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Loss and throughput curves of several runs in one PNG, aligned by consumed tokens, plus a table.
+
+    python tools/plot_runs.py bf16=runs/bf16/log.jsonl coat=runs/coat/log.jsonl --out compare.png
+    python tools/plot_runs.py runs/*/log.jsonl --out compare.png --smooth 20
+
+Each input is a `--log-json` file of pretrain_gpt.py (optionally NAME=PATH; default name: the
+file's directory). Training loss is drawn solid, validation loss as markers on the same axes;
+throughput (tokens/s) below. Logs written before `consumed_tokens` was recorded need
+`--seq-length` (tokens = consumed samples x sequence length). The table (printed, and drawn
+under the curves) gives per run: last iteration, tokens, final training loss (mean of the last
+--final-window logged values), last validation loss, median tokens/s and TFLOP/s/GPU, peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass
+class Run:
+    name: str
+    tokens: List[int] = field(default_factory=list)           # per logged training record
+    loss: List[float] = field(default_factory=list)
+    tokens_per_s: List[float] = field(default_factory=list)
+    tflops: List[float] = field(default_factory=list)
+    peak_mem: List[float] = field(default_factory=list)
+    iterations: List[int] = field(default_factory=list)
+    valid: List[Tuple[int, float]] = field(default_factory=list)  # (tokens, validation loss)
+
+
+def read_run(name: str, path: str, seq_length: Optional[int] = None) -> Run:
+    run = Run(name)
+    tokens_at: Dict[int, int] = {}
+    valid_iters: List[Tuple[int, float]] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise SystemExit(f"plot_runs.py: {path}:{n} is not a JSON line ({e}); pass --log-json files") from e
+            if "valid_loss" in rec:
+                valid_iters.append((rec["iteration"], rec["valid_loss"]))
+            if "lm_loss" not in rec:
+                continue
+            if "consumed_tokens" in rec:
+                tokens = rec["consumed_tokens"]
+            elif seq_length:
+                tokens = rec["consumed_samples"] * seq_length
+            else:
+                raise SystemExit(f"plot_runs.py: {path} has no consumed_tokens (an older log): pass --seq-length")
+            tokens_at[rec["iteration"]] = tokens
+            run.iterations.append(rec["iteration"])
+            run.tokens.append(tokens)
+            run.loss.append(rec["lm_loss"])
+            run.tokens_per_s.append(rec["tokens_per_s"])
+            run.tflops.append(rec.get("tflops_per_gpu", float("nan")))
+            run.peak_mem.append(rec.get("peak_mem_gib", float("nan")))
+    if not run.tokens:
+        raise SystemExit(f"plot_runs.py: {path} holds no training records (lm_loss)")
+    # Validation records carry the iteration only: place them at that iteration's tokens.
+    per_iter = (run.tokens[-1] / run.iterations[-1]) if run.iterations[-1] else 0
+    run.valid = [(tokens_at.get(it, int(it * per_iter)), loss) for it, loss in valid_iters]
+    return run
+
+
+def smooth(values: List[float], window: int) -> List[float]:
+    """Trailing moving average over finite values (window 1: unchanged)."""
+    out, buf = [], []
+    for v in values:
+        if math.isfinite(v):
+            buf.append(v)
+            buf = buf[-window:]
+        out.append(sum(buf) / len(buf) if buf else float("nan"))
+    return out
+
+
+def summary(run: Run, final_window: int) -> Dict[str, object]:
+    finite = [v for v in run.loss if math.isfinite(v)]
+    return {
+        "run": run.name,
+        "iterations": run.iterations[-1],
+        "tokens": run.tokens[-1],
+        "final train loss": sum(finite[-final_window:]) / len(finite[-final_window:]) if finite else float("nan"),
+        "last valid loss": run.valid[-1][1] if run.valid else float("nan"),
+        "median tokens/s": statistics.median(run.tokens_per_s),
+        "median TFLOP/s/GPU": statistics.median(run.tflops),
+        "peak mem GiB": max(run.peak_mem),
+    }
+
+
+def format_table(rows: List[Dict[str, object]]) -> str:
+    heads = list(rows[0])
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4f}" if abs(v) < 100 else f"{v:,.1f}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(cell(r[h]) for h in heads) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, object]]) -> None:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("plot_runs.py needs matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(11, 9.5))
+    grid = fig.add_gridspec(3, 1, height_ratios=[3, 2, 1.1])
+    ax_loss, ax_tput, ax_tab = (fig.add_subplot(grid[i]) for i in range(3))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        ax_loss.plot(run.tokens, smooth(run.loss, smooth_window), color=color, label=f"{run.name} train")
+        if run.valid:
+            ax_loss.plot([t for t, _ in run.valid], [v for _, v in run.valid], "o--", color=color, markersize=4,
+                         label=f"{run.name} valid")
+        ax_tput.plot(run.tokens, run.tokens_per_s, color=color, label=run.name)
+    ax_loss.set_ylabel("lm loss" + (f" (moving average of {smooth_window})" if smooth_window > 1 else ""))
+    ax_loss.legend(fontsize=8)
+    ax_loss.grid(alpha=0.3)
+    ax_tput.set_ylabel("tokens/s")
+    ax_tput.set_xlabel("consumed tokens")
+    ax_tput.grid(alpha=0.3)
+    ax_tab.axis("off")
+    heads = list(rows[0])
+    cells = [[format_table([r]).splitlines()[2].strip("| ").split(" | ")[j] for j in range(len(heads))] for r in rows]
+    table = ax_tab.table(cellText=cells, colLabels=heads, loc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+", help="--log-json files, optionally NAME=PATH")
+    ap.add_argument("--out", required=True, help="PNG to write")
+    ap.add_argument("--smooth", type=int, default=1, help="moving-average window for the training loss")
+    ap.add_argument("--final-window", type=int, default=10, help="logged values averaged for the final train loss")
+    ap.add_argument("--seq-length", type=int, default=None, help="for logs without consumed_tokens")
+    args = ap.parse_args(argv)
+    runs = []
+    for spec in args.logs:
+        name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else \
+            (os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec)
+        if not os.path.exists(path):
+            raise SystemExit(f"plot_runs.py: {path} does not exist")
+        runs.append(read_run(name, path, args.seq_length))
+    rows = [summary(r, args.final_window) for r in runs]
+    plot(runs, args.out, max(args.smooth, 1), rows)
+    print(format_table(rows))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
