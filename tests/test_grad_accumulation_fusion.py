@@ -116,8 +116,8 @@ def test_fused_linear_two_forwards_before_backwards():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_grad_buckets_released_between_steps_match_persistent():
-    """GradBuffer with release_between_steps: same gradients, memory only between backward and step."""
+def _tiny_gpt_with_optimizer(bucket_size, **opt_kwargs):
+    """A 2-layer GPT (CPU, fp32) and its non-sharded optimizer with small gradient buckets."""
     from megacoat.config import ModelConfig, OptimizerConfig, resolve_model_defaults
     from megacoat.model.gpt import GPTModel
     from megacoat.model.transformer import LayerContext
@@ -127,12 +127,18 @@ def test_grad_buckets_released_between_steps_match_persistent():
     m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, attention_dropout=0.0,
                     hidden_dropout=0.0)
     resolve_model_defaults(m)
-    ctx = ParallelContext.single(torch.device("cpu"))
+    model = GPTModel(m, LayerContext(None, False, None, torch.float32, torch.device("cpu"), 7), 100, 128)
+    opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=1e-2, **opt_kwargs), ParallelContext.single(torch.device("cpu")),
+                              bucket_size=bucket_size)
+    return model, opt
+
+
+def test_grad_buckets_released_between_steps_match_persistent():
+    """GradBuffer with release_between_steps: same gradients, memory only between backward and step."""
     tokens = torch.randint(0, 100, (3, 2, 17), generator=torch.Generator().manual_seed(5))
     results = []
     for release in (False, True):
-        model = GPTModel(m, LayerContext(None, False, None, torch.float32, torch.device("cpu"), 7), 100, 128)
-        opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=1e-2), ctx, bucket_size=5000)
+        model, opt = _tiny_gpt_with_optimizer(5000)
         assert len(opt.grad_buffer.buckets) > 2 and opt.grad_buffer.release_between_steps
         if not release:
             model.pre_backward_hook = None
@@ -175,21 +181,10 @@ def test_released_buffer_refuses_writes():
 
 def test_grad_norm_overlap_matches_the_norm_after_backward():
     """The norm's per-bucket partial sums taken during the last backward equal the norm read afterwards."""
-    from megacoat.config import ModelConfig, OptimizerConfig, resolve_model_defaults
-    from megacoat.model.gpt import GPTModel
-    from megacoat.model.transformer import LayerContext
-    from megacoat.optim.optimizer import MixedPrecisionAdamW
-    from megacoat.parallel.context import ParallelContext
-
-    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, attention_dropout=0.0,
-                    hidden_dropout=0.0)
-    resolve_model_defaults(m)
-    ctx = ParallelContext.single(torch.device("cpu"))
     tokens = torch.randint(0, 100, (4, 2, 17), generator=torch.Generator().manual_seed(6))
     norms = []
     for overlap in (True, False):
-        model = GPTModel(m, LayerContext(None, False, None, torch.float32, torch.device("cpu"), 7), 100, 128)
-        opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=1e-2, clip_grad=0.5), ctx, bucket_size=3000)
+        model, opt = _tiny_gpt_with_optimizer(3000, clip_grad=0.5)
         assert opt.norm_overlap is not None
         if not overlap:
             opt.norm_overlap = None
