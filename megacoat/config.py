@@ -156,9 +156,12 @@ class DataConfig:
     data_cache_path: Optional[str] = _f(None, "Where index caches (.npy) and the default corpus live. Default: ~/.cache/megacoat.")
     mock_data: bool = _f(False, "Synthetic random tokens (for speed measurements only).")
     tokenizer_type: Optional[str] = _f(
-        None, "Tokenizer: SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer. Default: the default corpus' SentencePiece model.",
-        choices=[None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+        None, "Tokenizer: SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer. Default: the default corpus' SentencePiece model.",
+        choices=[None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                 "NullTokenizer"])
     tokenizer_model: Optional[str] = _f(None, "Tokenizer model file (SentencePiece .model or HF tokenizer.json / directory).")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json.")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt.")
     vocab_size: Optional[int] = _f(None, "Vocabulary size for NullTokenizer and --mock-data.")
     num_workers: int = _f(2, "DataLoader worker processes.")
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")

@@ -72,7 +72,7 @@ def apply_checkpoint_args(cfg: MegacoatConfig, log: Callable[[str], None] = _pri
         if getattr(cfg.model, name) != value:
             log(f"--use-checkpoint-args: {_flag(name)} {value} (was {getattr(cfg.model, name)})")
             setattr(cfg.model, name, value)
-    for name in ("tokenizer_type", "tokenizer_model", "vocab_size"):
+    for name in ("tokenizer_type", "tokenizer_model", "vocab_size", "vocab_file", "merge_file"):
         if getattr(cfg.data, name) is None and saved.get("data", {}).get(name) is not None:
             setattr(cfg.data, name, saved["data"][name])
 
@@ -214,11 +214,14 @@ def _copy_tokenizer(tokenizer, partial: str) -> dict:
         dst_dir = os.path.join(partial, TOKENIZER_DIR)
         os.makedirs(dst_dir, exist_ok=True)
         siblings = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
-        for path in [src] + [os.path.join(os.path.dirname(src), s) for s in siblings]:
+        companions = list(getattr(tokenizer, "companion_files", ()))  # e.g. GPT-2 BPE's merges.txt
+        for path in [src] + companions + [os.path.join(os.path.dirname(src), s) for s in siblings]:
             if os.path.isfile(path):
                 copy_file_durably(path, os.path.join(dst_dir, os.path.basename(path)))
         fsync_dir(dst_dir)  # the directory entries too: the checkpoint is published right after
         info["file"] = os.path.join(TOKENIZER_DIR, os.path.basename(src))
+        if companions:
+            info["companion_files"] = [os.path.join(TOKENIZER_DIR, os.path.basename(c)) for c in companions]
     return {"tokenizer": info}
 
 

@@ -71,7 +71,7 @@ def target_layout(p: torch.nn.Parameter, tp: int, padded_vocab: int, vocab_size:
 
 def write_model_checkpoint(save_dir: str, m: ModelConfig, vocab_size: int, tensors: Dict[str, torch.Tensor],
                            tp: int = 1, iteration: int = 0, cfg: Optional[MegacoatConfig] = None,
-                           extra_files=lambda d: {}) -> str:
+                           extra_files=lambda d: {}, consumed_samples: int = 0) -> str:
     """A weights-only checkpoint laid out for TP=`tp` (one file per TP rank), loadable at any layout."""
     params = _parameter_skeleton(m, vocab_size)
     names = {name for name, _ in params}
@@ -100,7 +100,8 @@ def write_model_checkpoint(save_dir: str, m: ModelConfig, vocab_size: int, tenso
         path, file_name = rank_file_path(partial, rank)
         crcs = write_pieces(path, pieces, offsets)
         contributions.append(RankSave(rank, layouts, dtypes, piece_records(pieces, offsets, crcs, file_name)))
-    common = {"train_state": {"iteration": iteration, "consumed_samples": 0, "skipped_iters": 0, "nan_iters": 0}}
+    common = {"train_state": {"iteration": iteration, "consumed_samples": consumed_samples, "skipped_iters": 0,
+                              "nan_iters": 0}}
     metadata = {"config": cfg.to_dict(), "parallel": {"world_size": tp, "tp": tp, "pp": 1, "dp": 1},
                 "vocab_size": vocab_size, "padded_vocab_size": padded}
     publish(save_dir, iteration, contributions, common, metadata, extra_files)
@@ -132,6 +133,9 @@ def load_tokenizer(checkpoint_dir: str):
     if info.get("file"):
         kind = info["type"]
         file = os.path.join(path, info["file"])
+        if kind == "GPT2BPETokenizer":
+            return build_tokenizer_by_type(kind, vocab_file=file,
+                                           merge_file=os.path.join(path, info["companion_files"][0]))
         return build_tokenizer_by_type(kind, os.path.dirname(file) if kind == "HuggingFaceTokenizer" else file)
     from ..data import build_tokenizer
     return build_tokenizer(config_from_dict({"data": reader.config.get("data", {})}).data)

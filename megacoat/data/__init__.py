@@ -51,7 +51,8 @@ def build_tokenizer(data_cfg):
                                  "naming the tokenizer the data was preprocessed with")
         corpus = prepare_default_corpus(data_cfg.data_cache_path, log=log.info)
         return GPTSentencePieceTokenizer(corpus.tokenizer_model)
-    return build_tokenizer_by_type(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_size)
+    return build_tokenizer_by_type(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_size,
+                                   data_cfg.vocab_file, data_cfg.merge_file)
 
 
 @dataclass

@@ -148,6 +148,8 @@ class EncoderSpec:
     append_eod: bool
     dtype: str
     tokenizer_threads: int = -1  # -1: all cores (one process); 1 in each of several worker processes
+    vocab_file: Optional[str] = None  # GPT2BPETokenizer
+    merge_file: Optional[str] = None
 
 
 @dataclass
@@ -161,7 +163,8 @@ class EncodedBatch:
 class Encoder:
     def __init__(self, spec: EncoderSpec):
         self.spec = spec
-        self.tokenizer = build_tokenizer_by_type(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size)
+        self.tokenizer = build_tokenizer_by_type(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size,
+                                                 spec.vocab_file, spec.merge_file)
         self.dtype = np.dtype(spec.dtype)
 
     def encode(self, batch: List[Record]) -> EncodedBatch:
@@ -244,17 +247,19 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
                vocab_size: Optional[int] = None, json_keys: Sequence[str] = ("text",), input_format: str = "auto",
                append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
                progress: bool = True, log_interval: int = 1000, output_names: Optional[Dict[str, str]] = None,
-               tokenizer_threads: Optional[int] = None,
+               tokenizer_threads: Optional[int] = None, vocab_file: Optional[str] = None,
+               merge_file: Optional[str] = None,
                report: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> PreprocessResult:
     """Tokenize `files` into one `.bin/.idx` dataset per JSON key. Returns what was written."""
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"unknown input format {input_format!r}: choose one of {', '.join(INPUT_FORMATS)}")
-    tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size)  # fail fast, in the main process
+    # fail fast, in the main process
+    tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
     dtype = best_token_dtype(tokenizer.vocab_size)
     if tokenizer_threads is None:  # one process may use every core; worker processes one each
         tokenizer_threads = -1 if workers <= 1 else 1
     spec = EncoderSpec(tokenizer_type, tokenizer_model, vocab_size, tuple(json_keys), input_format, append_eod,
-                       dtype.str, tokenizer_threads)
+                       dtype.str, tokenizer_threads, vocab_file, merge_file)
     prefixes = {k: (output_names or {}).get(k) or output_prefix_for(output_prefix, k) for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p, dtype=dtype) for k, p in prefixes.items()}
     total_bytes = sum(os.path.getsize(f) for f in files)

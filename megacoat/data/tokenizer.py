@@ -6,6 +6,8 @@
 - GPTSentencePieceTokenizer: the model's vocabulary as is; eod is the model's eos id.
 - HuggingFaceTokenizer: a `tokenizer.json` (or a directory holding one) through the
   `tokenizers` package; eod is the eos token of tokenizer_config.json, else a well-known one.
+- GPT2BPETokenizer: Megatron's GPT-2 byte-level BPE from `--vocab-file` (vocab.json) and
+  `--merge-file` (merges.txt), through the `tokenizers` package; eod is `<|endoftext|>`.
 - NullTokenizer: text is space-separated ids; vocab_size is --vocab-size + 1 and eod is
   --vocab-size (Megatron's convention).
 The default corpus uses GPTSentencePieceTokenizer semantics on its own model.
@@ -166,6 +168,51 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE (Megatron's GPT2BPETokenizer): vocab.json + merges.txt, no special handling
+    of `<|endoftext|>` inside text (as Megatron's), which is the end-of-document id."""
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path:
+                raise TokenizerError(f"--tokenizer-type GPT2BPETokenizer needs {flag} PATH (GPT-2's vocab.json and "
+                                     "merges.txt)")
+            if not os.path.isfile(path):
+                raise TokenizerError(f"{flag} {path}: file not found")
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as e:
+            raise TokenizerError("GPT2BPETokenizer needs the `tokenizers` package: pip install tokenizers") from e
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
+            raise TokenizerError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE ({e})") from e
+        self._tok = Tokenizer(bpe)
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.model_file, self.merge_file = vocab_file, merge_file
+        self.companion_files = (merge_file,)  # copied into checkpoints beside model_file
+        self.eod = self._tok.token_to_id(self.EOD_TOKEN)
+        if self.eod is None:
+            raise TokenizerError(f"--vocab-file {vocab_file} has no {self.EOD_TOKEN} token (GPT-2's end of document)")
+        self.eos, self.bos, self.pad = self.eod, None, None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: List[str], num_threads: int = -1) -> List[List[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 class NullTokenizer:
     """Pre-tokenized text ("12 7 9"); ids 0..vocab_size-1 plus eod = vocab_size."""
 
@@ -204,11 +251,15 @@ def _load_sentencepiece(model_file: Optional[str]):
     return sp
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
 
 
 def build_tokenizer_by_type(tokenizer_type: str, tokenizer_model: Optional[str] = None,
-                            vocab_size: Optional[int] = None):
+                            vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
+                            merge_file: Optional[str] = None):
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":

@@ -1,9 +1,18 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and megacoat (Llama-style and GPT-2-style models).
+"""Convert checkpoints between Hugging Face, Megatron-LM and megacoat.
 
     python tools/checkpoint/convert.py --load-format hf --load-dir llama-hf --save-format megacoat \
         --save-dir ckpt --target-tensor-parallel-size 2
     python tools/checkpoint/convert.py --load-format megacoat --load-dir ckpt --save-format hf --save-dir llama-hf
+
+Megatron-LM (megatron-core GPTModel, local or TransformerEngine layer spec):
+    python tools/checkpoint/convert.py --load-format megatron --load-dir megatron-ckpt --save-format megacoat \
+        --save-dir ckpt [--carry-iteration] [--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR]
+    python tools/checkpoint/convert.py --load-format megacoat --load-dir ckpt --save-format megatron \
+        --save-dir megatron-ckpt --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+Reads Megatron's `torch` format (iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt, any TP/PP) and its
+`torch_dist` format (no megatron-core needed); writes the `torch` format. The model flags come
+from the checkpoint's saved args. See docs/migrating-from-megatron.md.
 
 megacoat checkpoints load at any TP/DP whatever the target TP: the target only decides how the
 weights are split into files (one per TP rank) and the TP recorded in the saved flags.
@@ -24,13 +33,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load-format", choices=["hf", "megacoat"], required=True)
+    p.add_argument("--load-format", choices=["hf", "megacoat", "megatron"], required=True)
     p.add_argument("--load-dir", required=True, help="HF model directory, or megacoat --save / iter_* directory.")
-    p.add_argument("--save-format", choices=["hf", "megacoat"], required=True)
+    p.add_argument("--save-format", choices=["hf", "megacoat", "megatron"], required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="Cast the weights (default: keep).")
+    g = p.add_argument_group("Megatron-LM")
+    g.add_argument("--carry-iteration", action="store_true",
+                   help="Keep the iteration and consumed samples (default: start at 0; Megatron gets a 'release' "
+                        "checkpoint).")
+    g.add_argument("--megatron-transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="Layer spec whose parameter names the Megatron checkpoint gets (its --transformer-impl).")
+    g.add_argument("--true-vocab-size", type=int, default=None,
+                   help="Vocabulary size without Megatron's padding (default: the tokenizer's).")
+    g.add_argument("--tokenizer-type", default=None, help="Tokenizer to copy into the converted checkpoint "
+                   "(default: the one in the Megatron args, when its files exist here).")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, eod N.")
     return p.parse_args(argv)
 
 
@@ -42,7 +65,26 @@ def main(argv=None) -> int:
     try:
         if a.target_tensor_parallel_size < 1:
             raise CheckpointError("--target-tensor-parallel-size must be >= 1")
-        if a.load_format == "hf" and a.save_format == "megacoat":
+        megatron_only = [f for f, v in (("--carry-iteration", a.carry_iteration), ("--true-vocab-size", a.true_vocab_size),
+                                        ("--tokenizer-type", a.tokenizer_type)) if v]
+        if megatron_only and "megatron" not in (a.load_format, a.save_format):
+            raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
+        if a.load_format == "megatron" and a.save_format == "megacoat":
+            from megacoat.checkpoint.megatron import TokenizerFlags, megatron_to_megacoat
+            if a.target_pipeline_parallel_size < 1:
+                raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
+            tok = TokenizerFlags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
+            out = megatron_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size, dtype, tok,
+                                       a.true_vocab_size, a.carry_iteration)
+        elif a.load_format == "megacoat" and a.save_format == "megatron":
+            from megacoat.checkpoint.megatron import megacoat_to_megatron
+            out = megacoat_to_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                                       a.target_pipeline_parallel_size, dtype, a.megatron_transformer_impl,
+                                       a.carry_iteration)
+        elif "megatron" in (a.load_format, a.save_format):
+            raise CheckpointError("Megatron checkpoints convert to and from megacoat; go through megacoat for "
+                                  f"{a.load_format} -> {a.save_format}")
+        elif a.load_format == "hf" and a.save_format == "megacoat":
             out = hf_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
                                  a.target_pipeline_parallel_size, dtype)
         elif a.load_format == "megacoat" and a.save_format == "hf":

@@ -1,0 +1,183 @@
+"""Megatron-LM checkpoints <-> megacoat checkpoints (behind tools/checkpoint/convert.py).
+
+Megatron -> megacoat: reads the `torch` format (any TP/PP/virtual PP, local or TransformerEngine
+layer spec) or the `torch_dist` format, takes the model flags from the saved args (what
+Megatron's `--use-checkpoint-args` does), refuses variants megacoat cannot represent, and
+writes a weights-only megacoat checkpoint whose config carries the model and tokenizer flags.
+megacoat -> Megatron: writes the `torch` format at a target TP/PP for the local or the
+TransformerEngine spec, with args that Megatron's `--use-checkpoint-args` reads.
+Iteration and consumed samples are carried over only when asked (`carry_iteration`); otherwise
+Megatron gets a `release` checkpoint and megacoat iteration 0.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..config import MegacoatConfig
+from .checkpointer import _copy_tokenizer
+from .collect import MODEL_KIND
+from .format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
+from .megatron_dist import is_dist_format, read_dist_checkpoint
+from .megatron_model import args_from_model_config, megacoat_to_megatron as to_megatron_names, \
+    megatron_to_megacoat as to_megacoat_names, model_config_from_args, padded_vocab
+from .megatron_torch import is_torch_format, read_torch_checkpoint, resolve_iteration_dir, write_torch_checkpoint
+from .model_io import write_model_checkpoint
+from .reader import CheckpointReader
+
+# Megatron tokenizer types megacoat builds itself (same names, same semantics).
+SHARED_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                     "GPTSentencePieceTokenizer", "NullTokenizer")
+
+
+@dataclass
+class TokenizerFlags:
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None  # NullTokenizer: ids 0..N-1, eod N
+
+
+def read_megatron(load_dir: str):
+    """(common state with 'args', full TP=1 Megatron tensors, format name)."""
+    iter_dir = resolve_iteration_dir(load_dir)
+    if is_torch_format(iter_dir):
+        common, full, _, _ = read_torch_checkpoint(iter_dir)
+        fmt = "torch"
+    elif is_dist_format(iter_dir):
+        common, full = read_dist_checkpoint(iter_dir)
+        fmt = "torch_dist"
+    else:
+        raise CheckpointError(f"{iter_dir}: neither mp_rank_* directories (torch format) nor a distributed "
+                              "checkpoint (.metadata, torch_dist format)")
+    if common.get("args") is None:
+        raise CheckpointError(f"{iter_dir}: the checkpoint saved no args; megacoat takes the model flags from them")
+    return common, full, fmt
+
+
+def _tokenizer_from(flags: TokenizerFlags, args, log):
+    """The tokenizer given on the command line, else the one the Megatron args name if its files exist here."""
+    from ..data.tokenizer import TokenizerError, build_tokenizer_by_type
+    f = flags
+    if f.tokenizer_type is None:
+        kind = getattr(args, "tokenizer_type", None)
+        f = TokenizerFlags(kind, getattr(args, "tokenizer_model", None), getattr(args, "vocab_file", None),
+                           getattr(args, "merge_file", None), getattr(args, "vocab_size", None))
+        if kind not in SHARED_TOKENIZERS:
+            if kind is not None:
+                log(f"note: Megatron tokenizer {kind!r} has no megacoat equivalent; pass --tokenizer-type and its "
+                    "files to convert.py, or train with ids only (NullTokenizer)")
+            return None
+        try:
+            return build_tokenizer_by_type(f.tokenizer_type, f.tokenizer_model, f.vocab_size, f.vocab_file, f.merge_file)
+        except TokenizerError as e:
+            log(f"note: the checkpoint's tokenizer ({kind}) is not usable here ({e}); pass --tokenizer-* flags to "
+                "copy it into the converted checkpoint")
+            return None
+    return build_tokenizer_by_type(f.tokenizer_type, f.tokenizer_model, f.vocab_size, f.vocab_file, f.merge_file)
+
+
+def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optional[torch.dtype] = None,
+                         tokenizer: TokenizerFlags = TokenizerFlags(), true_vocab_size: Optional[int] = None,
+                         carry_iteration: bool = False, log=print) -> str:
+    common, full, fmt = read_megatron(load_dir)
+    args = common["args"]
+    m = model_config_from_args(args, full)
+    tok = _tokenizer_from(tokenizer, args, log)
+    rows = full["embedding.word_embeddings.weight"].shape[0]
+    vocab = true_vocab_size or getattr(args, "true_vocab_size", None) or (tok.vocab_size if tok else None)
+    if vocab is None:
+        vocab = rows
+        log(f"note: vocabulary size unknown (no tokenizer): keeping all {rows} embedding rows, Megatron's padding "
+            "included; pass --true-vocab-size or the tokenizer flags to drop the padding")
+    if vocab > rows:
+        raise CheckpointError(f"the vocabulary ({vocab}) is larger than the checkpoint's embedding ({rows} rows): "
+                              "the tokenizer or --true-vocab-size does not belong to this checkpoint")
+    tensors = to_megacoat_names(m, vocab, full)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    iteration = int(common.get("iteration", 0) or 0) if carry_iteration else 0
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if carry_iteration else 0
+    cfg = MegacoatConfig()
+    cfg.model = m
+    final_dir = os.path.abspath(os.path.join(save_dir, f"iter_{iteration:07d}"))
+    if tok is None:
+        cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", vocab - 1
+    else:
+        kind = type(tok).__name__
+        cfg.data.tokenizer_type = kind
+        if kind == "NullTokenizer":
+            cfg.data.vocab_size = tok.vocab_size - 1
+        elif kind == "GPT2BPETokenizer":
+            cfg.data.vocab_file = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.model_file))
+            cfg.data.merge_file = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.merge_file))
+        else:
+            copied = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.model_file))
+            cfg.data.tokenizer_model = os.path.dirname(copied) if kind == "HuggingFaceTokenizer" else copied
+
+    def extra(partial: str) -> dict:
+        if tok is None:
+            return {"tokenizer": {"type": "NullTokenizer", "vocab_size": vocab}, "source": {"megatron_format": fmt}}
+        return dict(_copy_tokenizer(tok, partial), source={"megatron_format": fmt})
+
+    out = write_model_checkpoint(save_dir, m, vocab, tensors, tp=tp, iteration=iteration, cfg=cfg,
+                                 extra_files=extra, consumed_samples=consumed)
+    log(f"Megatron {fmt} checkpoint -> megacoat: {m.num_layers} layers, hidden {m.hidden_size}, vocab {vocab}"
+        + (f", iteration {iteration}, consumed samples {consumed}" if carry_iteration else ""))
+    return out
+
+
+def _megatron_tokenizer_args(info: dict, ckpt_dir: str, save_dir: str) -> dict:
+    """Megatron's tokenizer args for the tokenizer saved in a megacoat checkpoint (files copied to save_dir)."""
+    kind = info.get("type")
+    if kind == "NullTokenizer":
+        return {"tokenizer_type": "NullTokenizer", "vocab_size": info["vocab_size"] - 1}
+    if kind not in SHARED_TOKENIZERS or not info.get("file"):
+        return {}
+    dst = os.path.join(os.path.abspath(save_dir), "tokenizer")
+    os.makedirs(dst, exist_ok=True)
+    src_dir = os.path.dirname(os.path.join(ckpt_dir, info["file"]))
+    for name in os.listdir(src_dir):
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst, name))
+    main = os.path.join(dst, os.path.basename(info["file"]))
+    if kind == "GPT2BPETokenizer":
+        return {"tokenizer_type": kind, "vocab_file": main,
+                "merge_file": os.path.join(dst, os.path.basename(info["companion_files"][0]))}
+    return {"tokenizer_type": kind, "tokenizer_model": dst if kind == "HuggingFaceTokenizer" else main}
+
+
+def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
+                         spec: str = "transformer_engine", carry_iteration: bool = False, log=print) -> str:
+    ckpt_dir = resolve_checkpoint_dir(load_dir)
+    reader = CheckpointReader(ckpt_dir)
+    try:
+        from .model_io import model_config_of
+        m = model_config_of(reader)
+        vocab = reader.meta["vocab_size"]
+        tensors = {name: reader.canonical(MODEL_KIND, name) for name in reader.names()}
+        train_state = reader.common().get("train_state", {})
+        tok_info = (reader.meta.get("extra") or {}).get("tokenizer", {})
+    finally:
+        reader.close()
+    if m.num_query_groups % tp or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
+        raise CheckpointError(f"--target-tensor-parallel-size {tp} must divide the heads ({m.num_attention_heads}), "
+                              f"query groups ({m.num_query_groups}) and ffn size ({m.ffn_hidden_size})")
+    dtype = dtype or next(iter(tensors.values())).dtype
+    padded = padded_vocab(vocab, m, tp)
+    full = {k: v.to(dtype) for k, v in to_megatron_names(m, padded, tensors).items()}
+    iteration = int(train_state.get("iteration", 0)) if carry_iteration else None
+    extra = dict(_megatron_tokenizer_args(tok_info, ckpt_dir, save_dir), true_vocab_size=vocab,
+                 params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                 iteration=iteration or 0,
+                 consumed_train_samples=int(train_state.get("consumed_samples", 0)) if carry_iteration else 0)
+    args = args_from_model_config(m, padded, tp, pp, spec, extra)
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
+    out = write_torch_checkpoint(save_dir, full, m.num_layers, tp, pp, common, gated=m.activation == "swiglu",
+                                 tied=not m.untie_embeddings_and_output_weights, spec=spec, iteration=iteration)
+    log(f"megacoat -> Megatron torch format ({spec} spec) at TP {tp}, PP {pp}: {out}")
+    return out
