@@ -448,3 +448,26 @@ def test_convert_cli_and_tokenizer_copy(mcore_env, tmp_path):
                          str(tmp_path / "x")]) == 2
     assert convert.main(["--load-format", "megacoat", "--load-dir", str(tmp_path / "mc"), "--save-format", "megatron",
                          "--save-dir", str(tmp_path / "y"), "--target-tensor-parallel-size", "3"]) == 2
+
+
+def test_resume_training_from_converted_checkpoint(mcore_env, tmp_path):
+    """The worked example of docs/migrating-from-megatron.md: convert with --carry-iteration, then
+    `pretrain --load ckpt --use-checkpoint-args` continues at Megatron's iteration with its weights."""
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+    model = build_mcore(LLAMA, num_layers=2)
+    sd = weights(model)
+    src = save_torch_format(str(tmp_path / "mlm"), megatron_split(sd, 2, 1, 2, True, False),
+                            megatron_args(LLAMA, model, 2, 1, consumed_train_samples=120), iteration=30)
+    ckpt = str(tmp_path / "mc")
+    megatron_to_megacoat(src, ckpt, carry_iteration=True, log=lambda s: None)
+    flags = ["--load", ckpt, "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "32", "--fp32", "--num-workers", "0", "--eval-interval", "0", "--eval-iters", "0",
+             "--log-interval", "1", "--lr-warmup-iters", "0"]
+    trainer = Trainer(parse_args(flags), log_stream=open(os.devnull, "w"))
+    assert trainer.cfg.model.num_query_groups == 2 and trainer.cfg.model.rotary_base == 500000
+    assert trainer.model.vocab_size == VOCAB
+    steps = []
+    trainer.train(on_step=lambda t, rec: steps.append(t.state.iteration))
+    assert steps == [31, 32]
+    assert trainer.state.consumed_samples == 120 + 2 * 4

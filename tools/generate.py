@@ -58,6 +58,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="Default: the saved weights' dtype.")
+    g = p.add_argument_group("tokenizer (default: the copy saved in the checkpoint)")
+    g.add_argument("--tokenizer-type", default=None, help="e.g. HuggingFaceTokenizer, GPT2BPETokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="HF tokenizer.json directory or SentencePiece .model")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, eod N")
     a = p.parse_args(argv)
     import megacoat
     from megacoat.checkpoint import CheckpointError
@@ -65,7 +71,13 @@ def main(argv=None) -> int:
     try:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(a.dtype)
         model = megacoat.load_model(a.load, device=a.device, dtype=dtype)
-        tokenizer = load_tokenizer(a.load)
+        if a.tokenizer_type:
+            from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
+            tokenizer = build_tokenizer_by_type(a.tokenizer_type, a.tokenizer_model, a.vocab_size, a.vocab_file,
+                                                a.merge_file)
+            check_vocab_size(tokenizer.vocab_size, model.vocab_size)
+        else:
+            tokenizer = load_tokenizer(a.load)
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
         --output-prefix data/my --tokenizer-type GPTSentencePieceTokenizer \\
         --tokenizer-model tok.model --append-eod --workers 8
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --append-eod
 
 Writes {output-prefix}_{key}_document.bin/.idx per JSON key (uint16 tokens when the
 vocabulary has fewer than 65,500 ids, else int32). Inputs: JSONL (one object per line),
@@ -34,6 +36,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model or HF tokenizer.json / directory.")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids are 0..N-1, eod is N.")
     g.add_argument("--append-eod", action="store_true", help="Append the end-of-document token to every document.")
     g = p.add_argument_group("output")
@@ -57,7 +61,8 @@ def main(argv=None) -> int:
             files, args.output_prefix, args.tokenizer_type, args.tokenizer_model, args.vocab_size,
             json_keys=args.json_keys, input_format=args.input_format, append_eod=args.append_eod,
             workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-            progress=not args.no_progress_bar and sys.stderr.isatty(), log_interval=args.log_interval)
+            progress=not args.no_progress_bar and sys.stderr.isatty(), log_interval=args.log_interval,
+            vocab_file=args.vocab_file, merge_file=args.merge_file)
     except (BadInputError, TokenizerError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

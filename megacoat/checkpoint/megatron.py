@@ -60,14 +60,35 @@ def read_megatron(load_dir: str):
     return common, full, fmt
 
 
-def _tokenizer_from(flags: TokenizerFlags, args, log):
-    """The tokenizer given on the command line, else the one the Megatron args name if its files exist here."""
+# File names of the tokenizer copy recent Megatron versions keep in <iteration dir>/tokenizer/.
+SAVED_TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab.json", "merges.txt"), "SentencePieceTokenizer": "tokenizer.model",
+                         "GPTSentencePieceTokenizer": "tokenizer.model", "HuggingFaceTokenizer": ""}
+
+
+def _saved_tokenizer(kind: str, args, iter_dir: str) -> TokenizerFlags:
+    """The args' tokenizer files; where they do not exist here, the copy inside the checkpoint."""
+    f = TokenizerFlags(kind, getattr(args, "tokenizer_model", None), getattr(args, "vocab_file", None),
+                       getattr(args, "merge_file", None), getattr(args, "vocab_size", None))
+    inside = os.path.join(iter_dir, "tokenizer")
+    names = SAVED_TOKENIZER_FILES.get(kind)
+    if names is None or not os.path.isdir(inside):
+        return f
+    if kind == "GPT2BPETokenizer":
+        if not (f.vocab_file and os.path.isfile(f.vocab_file) and f.merge_file and os.path.isfile(f.merge_file)):
+            f.vocab_file, f.merge_file = (os.path.join(inside, n) for n in names)
+    elif not (f.tokenizer_model and os.path.exists(f.tokenizer_model)):
+        f.tokenizer_model = os.path.join(inside, names) if names else inside
+    return f
+
+
+def _tokenizer_from(flags: TokenizerFlags, args, log, iter_dir: str = ""):
+    """The tokenizer given on the command line, else the one the Megatron args name if its files exist here
+    (or in the checkpoint's own tokenizer/ copy)."""
     from ..data.tokenizer import TokenizerError, build_tokenizer_by_type
     f = flags
     if f.tokenizer_type is None:
         kind = getattr(args, "tokenizer_type", None)
-        f = TokenizerFlags(kind, getattr(args, "tokenizer_model", None), getattr(args, "vocab_file", None),
-                           getattr(args, "merge_file", None), getattr(args, "vocab_size", None))
+        f = _saved_tokenizer(kind, args, iter_dir)
         if kind not in SHARED_TOKENIZERS:
             if kind is not None:
                 log(f"note: Megatron tokenizer {kind!r} has no megacoat equivalent; pass --tokenizer-type and its "
@@ -88,7 +109,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     common, full, fmt = read_megatron(load_dir)
     args = common["args"]
     m = model_config_from_args(args, full)
-    tok = _tokenizer_from(tokenizer, args, log)
+    tok = _tokenizer_from(tokenizer, args, log, resolve_iteration_dir(load_dir))
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab = true_vocab_size or getattr(args, "true_vocab_size", None) or (tok.vocab_size if tok else None)
     if vocab is None:

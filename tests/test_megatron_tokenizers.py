@@ -1,0 +1,143 @@
+"""Megatron's tokenizers in megacoat (issue 16): GPT2BPETokenizer (--vocab-file/--merge-file) and
+HuggingFaceTokenizer (--tokenizer-model DIR), in preprocessing, training and tools/generate.py."""
+import json
+import os
+import random
+import runpy
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from megacoat.data.tokenizer import GPT2BPETokenizer, TokenizerError, build_tokenizer_by_type  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = ["Hello world, it's a test.", "  leading spaces and trailing  ", "numbers 12345 and 3.14159!",
+         "naïve café — ünïcödé ✓ 日本語", "they'll we've I'm you're", "tabs\tand\nnewlines\n\n", "<|endoftext|> inside",
+         "def f(x):\n    return x ** 2  # comment"]
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--fp32", "--num-workers", "0", "--attention-dropout",
+        "0", "--hidden-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--make-vocab-size-divisible-by", "8", "--seed", "5", "--split", "100,0,0"]
+
+
+def train(args):
+    """Pretrain in this process (world 1) on real data; returns (losses, trainer)."""
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+    trainer = Trainer(parse_args(BASE + args), log_stream=open(os.devnull, "w"))
+    losses = []
+    trainer.train(on_step=lambda t, rec: losses.append(rec.loss))
+    return losses, trainer
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """A small GPT-2 style byte-level BPE (vocab.json + merges.txt) trained here."""
+    from tokenizers import ByteLevelBPETokenizer
+    d = tmp_path_factory.mktemp("gpt2bpe")
+    rng = random.Random(0)
+    words = ["the", "model", "train", "token", "data", "Megatron", "coat", "ing", "er", "s", "café", "123"]
+    corpus = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(300)] + TEXTS
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tok.save_model(str(d))
+    return str(d / "vocab.json"), str(d / "merges.txt")
+
+
+def test_gpt2bpe_matches_transformers_gpt2_tokenizer(gpt2_files):
+    """Ids equal transformers' slow (pure Python) GPT2Tokenizer, the reference Megatron's copy follows."""
+    from transformers import GPT2Tokenizer
+    vocab, merges = gpt2_files
+    ref = GPT2Tokenizer(vocab, merges)
+    ours = GPT2BPETokenizer(vocab, merges)
+    rng = random.Random(1)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ABC'.,!?\n\t0123456789éü日✓-_"
+    randoms = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(50)]
+    for text in TEXTS + randoms:
+        ids = ours.tokenize(text)
+        if "<|endoftext|>" not in text:  # transformers splits added tokens out of text; see below
+            assert ids == ref.convert_tokens_to_ids(ref.tokenize(text)), text
+        assert ours.detokenize(ids) == text
+    assert ours.vocab_size == len(json.load(open(vocab)))
+    assert ours.eod == json.load(open(vocab))["<|endoftext|>"]
+    # As Megatron's own GPT-2 BPE (gpt2_tokenization.py), the special token is not special inside text.
+    assert ours.eod not in ours.tokenize("<|endoftext|>")
+
+
+def test_gpt2bpe_bad_flags(gpt2_files, tmp_path):
+    vocab, merges = gpt2_files
+    with pytest.raises(TokenizerError, match="--merge-file"):
+        build_tokenizer_by_type("GPT2BPETokenizer", vocab_file=vocab)
+    with pytest.raises(TokenizerError, match="file not found"):
+        build_tokenizer_by_type("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(tmp_path / "nope.txt"))
+    no_eod = tmp_path / "vocab.json"
+    v = json.load(open(vocab))
+    v.pop("<|endoftext|>")
+    no_eod.write_text(json.dumps(v))
+    with pytest.raises(TokenizerError, match="<\\|endoftext\\|>"):
+        GPT2BPETokenizer(str(no_eod), merges)
+
+
+def test_preprocess_train_generate_with_gpt2bpe(gpt2_files, tmp_path, capsys):
+    """tools/preprocess_data.py -> pretraining -> tools/generate.py, all with --vocab-file/--merge-file."""
+    from megacoat.data.indexed_dataset import IndexedDataset
+    vocab, merges = gpt2_files
+    docs = [f"the model {i} trains on token data with Megatron coat" * 3 for i in range(40)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs))
+    pre = runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"), run_name="pre")
+    prefix = str(tmp_path / "gpt2")
+    assert pre["main"](["--input", str(tmp_path / "c.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
+                        "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
+                        "--no-progress-bar"]) == 0
+    tok = GPT2BPETokenizer(vocab, merges)
+    ds = IndexedDataset(prefix + "_text_document")
+    assert len(ds) == len(docs)
+    for i in (0, 17, 39):
+        assert np.asarray(ds[i]).tolist() == tok.tokenize(docs[i]) + [tok.eod]
+
+    save = str(tmp_path / "ckpt")
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    losses, trainer = train(["--train-iters", "2", "--save", save, "--data-path", prefix + "_text_document",
+                             "--data-cache-path", str(tmp_path / "cache")] + flags)
+    assert len(losses) == 2 and trainer.model.vocab_size == tok.vocab_size
+    copied = os.listdir(os.path.join(save, "iter_0000002", "tokenizer"))
+    assert "vocab.json" in copied and "merges.txt" in copied
+    gen = runpy.run_path(os.path.join(ROOT, "tools", "generate.py"), run_name="gen")
+    capsys.readouterr()
+    assert gen["main"](["--load", save, "--prompt", "the model", "--max-new-tokens", "3", "--greedy"]) == 0
+    from_ckpt = capsys.readouterr().out
+    assert from_ckpt.startswith("the model")
+    assert gen["main"](["--load", save, "--prompt", "the model", "--max-new-tokens", "3", "--greedy"] + flags) == 0
+    assert capsys.readouterr().out == from_ckpt
+    # A tokenizer with a larger vocabulary than the model is refused, not run past the embedding.
+    assert gen["main"](["--load", save, "--prompt", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                        "100000"]) == 2
+
+
+def test_huggingface_tokenizer_directory_in_training(tmp_path):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: a local tokenizer.json directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([f"alpha beta gamma {i} delta" for i in range(100)],
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    d = tmp_path / "hf"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    ours = build_tokenizer_by_type("HuggingFaceTokenizer", str(d))
+    assert ours.eod == tok.token_to_id("</s>") and ours.tokenize("alpha beta 7") == tok.encode("alpha beta 7").ids
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": f"alpha beta gamma {i} delta " * 8})
+                                                for i in range(30)))
+    pre = runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"), run_name="pre")
+    prefix = str(tmp_path / "hfdata")
+    assert pre["main"](["--input", str(tmp_path / "c.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
+                        "HuggingFaceTokenizer", "--tokenizer-model", str(d), "--append-eod", "--no-progress-bar"]) == 0
+    losses, trainer = train(["--train-iters", "1", "--data-path", prefix + "_text_document",
+                             "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "HuggingFaceTokenizer",
+                             "--tokenizer-model", str(d)])
+    assert len(losses) == 1 and trainer.model.vocab_size == tok.get_vocab_size()
