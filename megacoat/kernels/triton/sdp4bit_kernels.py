@@ -253,7 +253,7 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
     e0 = d * m + pos0  # within the summed n elements (also the stream index)
     # fp32 sum in source order; the reference's 0 + first term equals the first term (never -0)
     acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
-    for _ in range(1, nsrc):  # the pointer advances one message per source (64-bit pointer arithmetic)
+    for _ in range(nsrc - 1):  # the pointer advances one message per source (64-bit pointer arithmetic)
         in_ptr += msg_in
         acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     r = rounding_offsets(e0, k1, k2, R, G_OUT)
@@ -272,7 +272,7 @@ def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexp
     rmask = rows < n // G
     e0 = rows.to(tl.int64) * G
     acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
-    for _ in range(1, nsrc):
+    for _ in range(nsrc - 1):
         in_ptr += msg
         acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
     if HADAMARD:
