@@ -93,7 +93,10 @@ setup(
     extras_require={
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1, so they need triton.
         "test": ["pytest", "transformers", "safetensors", "tokenizers", "triton; platform_system=='Linux'",
-                 "wandb", "tensorboard", "matplotlib"],  # the tracking and run-plot tests
+                 "wandb", "tensorboard", "matplotlib",  # the tracking and run-plot tests
+                 # Megatron-LM checkpoint tests build megatron-core's GPTModel (deps: torch, numpy, packaging);
+                 # psutil for its dist_checkpointing.save (torch_dist test). Pinned: tested API.
+                 "megatron-core==0.16.1", "psutil"],
         "triton": ["triton; platform_system=='Linux'"],
         "wandb": ["wandb"],
         "hf": ["transformers", "tokenizers"],
