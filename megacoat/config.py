@@ -406,6 +406,7 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
                       f"{t.micro_batch_size} x data-parallel size {dp} (= world {world_size} / (TP {tp} x PP {pp})).")
     if pp >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * dp) == 0:
         errors += _pipeline_errors(m.num_layers, pp, p, t.global_batch_size // (t.micro_batch_size * dp))
+    errors += _sample_schedule_errors(cfg, dp)  # before --lr-decay-iters defaults to --train-iters
     if t.fp16:
         errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
     if t.bf16 and t.fp32:
@@ -435,6 +436,14 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--ddp-bucket-size must be >= 1.")
     if p.ranks_per_node is not None and p.ranks_per_node < 1:
         errors.append("--ranks-per-node must be >= 1.")
+    if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
+        errors.append("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
+    if t.recompute_num_layers is not None and t.recompute_num_layers < 1:
+        errors.append("--recompute-num-layers must be >= 1.")
+    if t.max_skipped_iterations is not None and t.max_skipped_iterations < 1:
+        errors.append("--max-skipped-iterations must be >= 1.")
+    if cfg.checkpoint.save_retain is not None and cfg.checkpoint.save_retain < 1:
+        errors.append("--save-retain must be >= 1 (the newest checkpoint is always kept).")
     lg = cfg.logging
     if (lg.wandb_entity or lg.wandb_save_dir or lg.wandb_exp_name) and not lg.wandb_project:
         errors.append("--wandb-entity / --wandb-save-dir / --wandb-exp-name need --wandb-project NAME.")
@@ -466,6 +475,77 @@ def _method_errors(cfg: MegacoatConfig) -> list:
             errors.append(f"{_flag(name)} {g} must be a power of two in [32, 2048].")
     if c.gradient_alltoall_pipeline < 1:
         errors.append("--gradient-alltoall-pipeline must be >= 1.")
+    return errors
+
+
+def rampup_batch_sizes(cfg: MegacoatConfig) -> Optional[tuple]:
+    """(start, increment, ramp samples) of --rampup-batch-size, or None."""
+    r = cfg.train.rampup_batch_size
+    if not r:
+        return None
+    try:
+        start, inc, samples = (int(v) for v in r)
+    except ValueError as e:
+        raise ConfigError(f"--rampup-batch-size takes three integers START INCREMENT SAMPLES, got {' '.join(r)}") from e
+    return start, inc, samples
+
+
+def global_batch_size_at(cfg: MegacoatConfig, consumed_samples: int) -> int:
+    """The global batch of the step that starts after `consumed_samples` (Megatron's ramp: START
+    growing by INCREMENT every SAMPLES / ((GBS - START) / INCREMENT) samples, up to GBS)."""
+    ramp = rampup_batch_sizes(cfg)
+    gbs = cfg.train.global_batch_size
+    if ramp is None or consumed_samples >= ramp[2]:
+        return gbs
+    start, inc, samples = ramp
+    per_increment = samples / ((gbs - start) // inc)
+    return min(gbs, start + int(consumed_samples // per_increment) * inc)
+
+
+def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
+    """--train-samples (with --lr-warmup-samples / --lr-decay-samples / --rampup-batch-size) and
+    --lr-warmup-fraction; resolves --train-iters from --train-samples."""
+    t, o, errors = cfg.train, cfg.optim, []
+    if o.lr_warmup_fraction is not None and not 0.0 <= o.lr_warmup_fraction <= 1.0:
+        errors.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be in [0, 1].")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_samples is not None:
+        errors.append("--lr-warmup-fraction and --lr-warmup-samples conflict: pick one.")
+    if t.train_samples is None:
+        named = [f for f, v in (("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples),
+                                ("--rampup-batch-size", t.rampup_batch_size)) if v]
+        if named:
+            errors.append(f"{' / '.join(named)} need --train-samples (the schedule counts samples then).")
+        return errors
+    if t.train_samples < 1:
+        return errors + ["--train-samples must be >= 1."]
+    unit = t.micro_batch_size * dp
+    try:
+        ramp = rampup_batch_sizes(cfg)
+    except ConfigError as e:
+        return errors + [str(e)]
+    if ramp is not None:
+        start, inc, samples = ramp
+        if start < 1 or inc < 1 or samples < 0 or start > t.global_batch_size or \
+                (t.global_batch_size - start) % inc:
+            return errors + [f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be >= 1 and "
+                             f"(--global-batch-size {t.global_batch_size} - START) a multiple of INCREMENT."]
+        if start % unit or inc % unit:
+            return errors + [f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be multiples of "
+                             f"--micro-batch-size x DP = {unit}."]
+        if start == t.global_batch_size:
+            ramp = None
+    iters, consumed = 0, 0
+    while True:  # whole steps that fit in --train-samples
+        gbs = global_batch_size_at(cfg, consumed)
+        if consumed + gbs > t.train_samples:
+            break
+        consumed += gbs
+        iters += 1
+    if iters < 1:
+        return errors + [f"--train-samples {t.train_samples} is less than one global batch."]
+    t.train_iters = iters
+    if o.lr_decay_samples is None:
+        o.lr_decay_samples = t.train_samples
     return errors
 
 

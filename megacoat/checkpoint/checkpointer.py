@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, MegacoatConfig
 from .collect import GROUP_SIZE, MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
+from .retention import prune_checkpoints
 from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, copy_file_durably, fsync_dir,
                      resolve_checkpoint_dir)
 from .layout import layout_of_parameter
@@ -389,6 +390,8 @@ class Checkpointer:
         if pending.mine.error is None:
             pending.mine.records = piece_records(pending.pieces, pending.offsets, crcs, pending.file_name)
         commit(pending.save_dir, pending.iteration, pending.mine, pending.common, pending.metadata, pending.extra)
+        if self.cfg.save_retain and self.ctx.rank == 0:  # published (commit is collective): prune the oldest
+            prune_checkpoints(pending.save_dir, self.cfg.save_retain, self.log)
 
     def _maybe_finalize(self) -> None:
         """Commit a background save once every rank's write has finished (one tiny all-reduce)."""

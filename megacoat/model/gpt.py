@@ -16,6 +16,7 @@ from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_
 from ..parallel.random import param_generator
 from ..precision.linear import refresh_fp8_weights
 from .rope import RotaryEmbedding
+from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
 
 
@@ -97,6 +98,8 @@ class GPTModel(nn.Module):
         self.pre_module_hook = None
         # Called with a tuple of modules just before their backward (see _BeforeBackward).
         self.pre_backward_hook = None
+        # --recompute-granularity full: which layers recompute their forward in backward (set by the trainer).
+        self.recompute_plan = None
 
     def _before(self, module: nn.Module) -> None:
         if self.pre_module_hook is not None:
@@ -141,11 +144,14 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
-        for layer in self.layers:
-            self._before(layer)
-            if self.lc.fp8 is not None:
-                refresh_fp8_weights(layer)  # FP8 weight copies, once per optimizer step, outside compiled code
-            x = self._before_backward(layer(x, rope, attention_mask), layer)
+        plan = self.recompute_plan or RecomputePlan("none")
+        for recomputed, group in plan.layer_groups(self.layers):
+            for layer in group:
+                self._before(layer)
+                if self.lc.fp8 is not None:
+                    refresh_fp8_weights(layer)  # FP8 weight copies, once per optimizer step, outside compiled code
+            x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
+                                                      self.lc.rng), *group)
         if not self.post_process:
             return x
         if self.tied and not self.pre_process:

@@ -21,6 +21,7 @@ from ..parallel.random import RNGTracker
 from ..precision.activations import fp8_activation, fp8_norm, fp8_swiglu
 from ..precision.linear import Fp8LinearImpl
 from ..precision.recipe import Fp8Recipe
+from .recompute import recompute
 from .rope import apply_rotary
 
 
@@ -104,10 +105,21 @@ class SelfAttention(nn.Module):
                                       dtype=lc.dtype, device=lc.device,
                                       gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
                                       linear_impl=lc.linear_impl())
+        self.recompute_core = False  # --recompute-granularity selective (set by the trainer)
 
     def forward(self, x, rope, attention_mask, x_amax=None):
         s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
         qkv = self.qkv(x, x_amax=x_amax).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # --recompute-granularity selective: keep only the QKV output for backward
+            o = recompute(lambda t: self._core(t, rope, attention_mask), qkv, rng=self.lc.rng)
+        else:
+            o = self._core(qkv, rope, attention_mask)
+        return self.proj(o)
+
+    def _core(self, qkv, rope, attention_mask):
+        """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]."""
+        s, b = qkv.shape[0], qkv.shape[1]
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
         k = qkv[:, :, :, self.q_per_group]
         # A copy, not a view: attention saves v for backward, and a view would keep the whole QKV
@@ -127,8 +139,7 @@ class SelfAttention(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
-        o = o.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.proj(o)
+        return o.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
 
 
 class MLP(nn.Module):

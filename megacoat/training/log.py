@@ -82,6 +82,7 @@ class IterationLogger:
         self._bytes = {}
         self._sums = None  # device: steps' [loss, grad norm, successes, skipped, nan] since the last line
         self._steps = 0
+        self._samples = 0  # samples of those steps (--rampup-batch-size: not steps x --global-batch-size)
         self._last_lr = 0.0
         self._t0 = None
         self.trackers = tracker_for(cfg, self.enabled)  # W&B / TensorBoard (logging rank only)
@@ -101,7 +102,7 @@ class IterationLogger:
         _sync(self.device)
         self._t0 = time.perf_counter()
 
-    def record_step(self, rec, comm_bytes: dict) -> None:
+    def record_step(self, rec, comm_bytes: dict, samples: Optional[int] = None) -> None:
         # Summed on the device and read at the next log line: no host-device sync per step, and
         # nothing kept per step.
         ok = rec.success_t.to(self.device, torch.bool)
@@ -112,6 +113,7 @@ class IterationLogger:
                           skip_flags(ok, norm).double()])
         self._sums = step if self._sums is None else self._sums + step
         self._steps += 1
+        self._samples += self.cfg.train.global_batch_size if samples is None else samples
         for k, v in comm_bytes.items():
             self._bytes[k] = self._bytes.get(k, 0) + v
         self._last_lr = rec.lr
@@ -129,8 +131,9 @@ class IterationLogger:
         n = self._steps
         dt = (now - self._t0) / n
         t = self.cfg.train
-        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / dt
-        tflops = flops_per_iter / dt / self.ctx.world_size / 1e12
+        gbs = self._samples / n  # mean global batch of the interval
+        tokens_per_s = gbs * self.cfg.model.seq_length / dt
+        tflops = flops_per_iter * (gbs / t.global_batch_size) / dt / self.ctx.world_size / 1e12
         loss = loss_sum / good if good else float("nan")
         norm = norm_sum / good if good else float("nan")
         mem = peak_memory_gib(self.device)
@@ -141,7 +144,7 @@ class IterationLogger:
                 f"consumed samples: {state.consumed_samples:12d}",
                 f"elapsed time per iteration (ms): {dt * 1000:.1f}",
                 f"learning rate: {self._last_lr:.6E}",
-                f"global batch size: {t.global_batch_size:5d}",
+                f"global batch size: {round(gbs):5d}",
                 f"lm loss: {loss:.6E}",
                 "loss scale: 1.0",
                 f"grad norm: {norm:.3f}",
@@ -171,7 +174,7 @@ class IterationLogger:
                 self.json_file.flush()
             if self.trackers:
                 self.trackers.log(record, step=it)
-        self._sums, self._steps, self._bytes = None, 0, {}
+        self._sums, self._steps, self._samples, self._bytes = None, 0, 0, {}
         self._t0 = time.perf_counter()
 
     def log_eval(self, iteration: int, loss: float) -> None:

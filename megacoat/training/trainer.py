@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, apply_checkpoint_args
-from ..config import MegacoatConfig, num_microbatches, validate_config
+from ..config import MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
 from ..data import build_data_iterators, build_tokenizer, check_vocab_size
 from ..model.flops import flops_per_token
 from ..model.gpt import padded_vocab_size
 from ..model.stages import build_model_chunks
 from ..model.masks import block_causal_mask
+from ..model.recompute import RecomputePlan
 from ..model.transformer import LayerContext
-from ..optim.lr_scheduler import LRScheduler
 from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
@@ -32,6 +32,7 @@ from ..precision.linear import invalidate_fp8_weights
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
+from .lr_schedule import build_lr_scheduler, step_lr
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
 
@@ -155,6 +156,7 @@ class Trainer:
         # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
         self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
                                                      self.padded_vocab, compile_layers=compile_layers)
+        apply_recompute(self.chunks, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.ctx, self.recipe.grad_dtype)
         install_embedding_grad_sync(self.chunks, self.optimizer, self.ctx)
         seq = m.seq_length // (self.ctx.tp_size if cfg.parallel.sequence_parallel else 1)
@@ -164,7 +166,7 @@ class Trainer:
         self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
         # Measured model-state memory (weights, grads, masters, states) before any activation.
         self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        self.scheduler = LRScheduler(cfg.optim, cfg.train.train_iters)
+        self.scheduler = build_lr_scheduler(cfg)
         self.num_micro = num_microbatches(cfg, self.ctx.dp_size)
         self.state = TrainState()
         self.flops_per_iter = flops_per_token(m, self.padded_vocab, m.seq_length) * \
@@ -190,31 +192,40 @@ class Trainer:
         return self._iters
 
     # ---------------------------------------------------------------------------------- steps
+    def global_batch_size(self) -> int:
+        """Samples of the next step (--rampup-batch-size grows it with the consumed samples)."""
+        return global_batch_size_at(self.cfg, self.state.consumed_samples)
+
+    def step_micro_batches(self) -> int:
+        return self.global_batch_size() // (self.cfg.train.micro_batch_size * self.ctx.dp_size)
+
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Forward and backward over the step's micro-batches through the pipeline schedule (PP = 1:
         forward/backward per micro-batch); returns this rank's mean loss (device; 0 off the last stage)."""
         self.model.train()
-        total = run_micro_batches(self.schedule, self.chunks, micro_batches, self.num_micro,
+        n = len(micro_batches)
+        total = run_micro_batches(self.schedule, self.chunks, micro_batches, n,
                                   lambda b: _to_device(b, self.device), optimizer=self.optimizer)
         if self.schedule.timing and self.state.iteration > 0:  # the first step warms up (compilation)
             st = self.schedule.stats
             self._bubble = [self._bubble[0] + st.compute_s, self._bubble[1] + st.total_s, self._bubble[2] + 1]
-        return total / self.num_micro
+        return total / n
 
     def train_step(self, micro_batches) -> StepRecord:
         self.optimizer.zero_grad()
+        samples = len(micro_batches) * self.cfg.train.micro_batch_size * self.ctx.dp_size
         loss = self.forward_backward(micro_batches)
-        lr = self.scheduler.step()
+        lr = step_lr(self.scheduler, samples)
         result = self.optimizer.step(lr)
         if self.recipe.fp8 is not None:
             invalidate_fp8_weights(self.model)  # FP8 weight copies are remade before each layer's next use
         loss = self._dp_mean(loss)
         st = self.state
         st.iteration += 1
-        st.consumed_samples += self.cfg.train.global_batch_size
+        st.consumed_samples += samples
         rec = StepRecord(st.iteration, lr, loss, result.grad_norm, result.success)
         st.count_step(rec)
-        self.logger.record_step(rec, result.comm_bytes)
+        self.logger.record_step(rec, result.comm_bytes, samples)
         return rec
 
     def _log_bubble(self) -> None:
@@ -246,8 +257,8 @@ class Trainer:
                     "measured": bubble, "theory": theory}}) + "\n")
             self.logger.json_file.flush()
 
-    def _next_micro_batches(self, it):
-        return [next(it) for _ in range(self.num_micro)]
+    def _next_micro_batches(self, it, n: Optional[int] = None):
+        return [next(it) for _ in range(self.num_micro if n is None else n)]
 
     @torch.no_grad()
     def evaluate(self, it, num_iters: int) -> float:
@@ -278,7 +289,7 @@ class Trainer:
         self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))
         interrupted = False
         while self.state.iteration < cfg.train.train_iters:
-            rec = self.train_step(self._next_micro_batches(iters.train))
+            rec = self.train_step(self._next_micro_batches(iters.train, self.step_micro_batches()))
             self.logger.maybe_log(self.state, self.flops_per_iter)
             self._check_skips(rec)
             if self.schedule.timing and (self.state.iteration % cfg.logging.log_interval == 0
@@ -341,6 +352,22 @@ class Trainer:
             return
         dist.barrier()
         dist.destroy_process_group()
+
+
+def apply_recompute(chunks, cfg: MegacoatConfig) -> None:
+    """--recompute-granularity: full marks each model chunk's recomputed layers (groups); selective
+    marks every layer's attention core."""
+    t = cfg.train
+    for chunk in chunks:
+        plan = RecomputePlan.from_flags(t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
+                                        len(chunk.layers))
+        if plan is None:
+            continue
+        if plan.granularity == "selective":
+            for layer in chunk.layers:
+                layer.attention.recompute_core = True
+        else:
+            chunk.recompute_plan = plan
 
 
 def abort_process_group() -> None:
