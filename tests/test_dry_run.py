@@ -107,3 +107,14 @@ def test_activation_estimate_orders_recipes_and_splits_over_tp():
     # By hand, bf16: 2 bytes x (4h norm in/out + 3h qkv + h attn out + 3f gate/up/product).
     assert bf16 == 2 * (4 * h + 3 * h + h + 3 * f)
     assert activation_bytes_per_token_layer(h, f, h, "bf16", 2, True) == bf16 / 2
+
+
+def test_activation_estimate_with_full_recomputation():
+    flags = BASE + ["--num-layers", "4", "--use-distributed-optimizer"]
+    (plain,) = plan_run(parse_args(flags), 1, 301, torch.device("cpu"))
+    (full,) = plan_run(parse_args(flags + ["--recompute-granularity", "full", "--recompute-num-layers", "2"]), 1, 301,
+                       torch.device("cpu"))
+    tokens, h = 2 * 32, 64
+    per_layer = plain.activations["bf16"] / (4 * tokens)
+    # two groups of two layers: their two inputs (2 bytes x h per token) + one group live in backward
+    assert full.activations["bf16"] == int(tokens * (2 * 2 * h + 2 * per_layer))

@@ -27,6 +27,7 @@ from ..comm.plain import ring_all_reduce_bytes, ring_shard_bytes
 from ..comm.sdp4bit import SDP4BitComm
 from ..config import ConfigError, MegacoatConfig, num_microbatches, validate_config
 from ..model.gpt import padded_vocab_size
+from ..model.recompute import RecomputePlan
 from ..model.stages import build_model_chunks
 from ..model.transformer import LayerContext
 from ..optim.buffers import ParamGradBuffer, shard_alignment
@@ -80,6 +81,28 @@ def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, reci
     split = (2 * (hidden + 2 * kv_hidden) + gemm_in * hidden            # q, k, v; attention output
              + mlp_pointwise * (mlp - ffn) + gemm_in * ffn)             # gate/up (pre-act) ; down input
     return replicated / (tp if sequence_parallel else 1) + split / tp
+
+
+def activation_bytes_with_recompute(cfg: MegacoatConfig, chunks, per_layer: float, tp: int) -> float:
+    """Per token, over this rank's layers: --recompute-granularity full keeps only the input of each
+    recomputed group (bf16, sequence-sharded under SP) plus, during backward, one group's full
+    activations; other layers keep everything (selective: the estimate does not change, the
+    attention core saves no s x s matrix with SDPA / flash attention)."""
+    t = cfg.train
+    total, largest = 0.0, 0
+    for chunk in chunks:
+        plan = RecomputePlan.from_flags(t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
+                                        len(chunk.layers))
+        if plan is None or plan.granularity != "full":
+            total += per_layer * len(chunk.layers)
+            continue
+        for recomputed, group in plan.layer_groups(chunk.layers):
+            if recomputed:
+                total += 2 * cfg.model.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
+                largest = max(largest, len(group))
+            else:
+                total += per_layer * len(group)
+    return total + per_layer * largest
 
 
 def _layers_of(chunks) -> int:
@@ -181,8 +204,9 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
         kv = m.num_query_groups * m.kv_channels
         tokens = cfg.train.micro_batch_size * m.seq_length
         layers = _layers_of(chunks)
-        acts = {r: int(tokens * layers * activation_bytes_per_token_layer(
-            m.hidden_size, m.ffn_hidden_size, kv, r, ctx0.tp_size, p.sequence_parallel, m.activation))
+        acts = {r: int(tokens * activation_bytes_with_recompute(
+            cfg, chunks, activation_bytes_per_token_layer(m.hidden_size, m.ffn_hidden_size, kv, r, ctx0.tp_size,
+                                                          p.sequence_parallel, m.activation), ctx0.tp_size))
             for r in ("bf16", "tensorwise", "coat")}
         in_flight = min(ctx0.pp_size - ctx0.pp_rank, num_microbatches(cfg, ctx0.dp_size)) * len(chunks)
         plans = []
