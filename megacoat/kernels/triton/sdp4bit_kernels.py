@@ -223,7 +223,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
     t = tl.program_id(0)
     b = tl.program_id(1)
     d = tl.program_id(2)
-    n = tl.num_programs(1) * slice_len  # elements per message
+    n = tl.num_programs(1) * slice_len  # elements per message (code bytes: (n // 8) * BITS, no int32 overflow)
     rows = t * R + tl.arange(0, R)
     rmask = rows < slice_len // G
     pos0 = b.to(tl.int64) * slice_len + rows * G  # first element of each row within message d
@@ -236,7 +236,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
     c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1)
     msg = out_ptr + d.to(tl.int64) * msg_bytes
     store_codes(c, msg, pos0 * BITS // 8, rmask, R, G, BITS, PACK)
-    tl.store(_f32(msg + n * BITS // 8) + pos0 // G, scale, mask=rmask)
+    tl.store(_f32(msg + (n // 8) * BITS) + pos0 // G, scale, mask=rmask)
 
 
 @triton.jit
@@ -252,15 +252,15 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
     pos0 = rows.to(tl.int64) * G_OUT  # within destination d's message
     e0 = d * m + pos0  # within the summed n elements (also the stream index)
     # fp32 sum in source order; the reference's 0 + first term equals the first term (never -0)
-    acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
+    acc = load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS_IN), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     for _ in range(nsrc - 1):  # the pointer advances one message per source (64-bit pointer arithmetic)
         in_ptr += msg_in
-        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS_IN // 8), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
+        acc = acc + load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS_IN), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     r = rounding_offsets(e0, k1, k2, R, G_OUT)
     c, scale = quantize_rows(acc, r, (1 << (BITS_OUT - 1)) - 1)
     msg = out_ptr + d.to(tl.int64) * msg_out
     store_codes(c, msg, pos0 * BITS_OUT // 8, rmask, R, G_OUT, BITS_OUT, PACK)
-    tl.store(_f32(msg + m * BITS_OUT // 8) + pos0 // G_OUT, scale, mask=rmask)
+    tl.store(_f32(msg + (m // 8) * BITS_OUT) + pos0 // G_OUT, scale, mask=rmask)
 
 
 @triton.jit
@@ -271,10 +271,10 @@ def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexp
     rows = t * R + tl.arange(0, R)
     rmask = rows < n // G
     e0 = rows.to(tl.int64) * G
-    acc = load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
+    acc = load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS), e0, rmask, R, G, BITS, G, PACK)
     for _ in range(nsrc - 1):
         in_ptr += msg
-        acc = acc + load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
+        acc = acc + load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS), e0, rmask, R, G, BITS, G, PACK)
     if HADAMARD:
         acc = hadamard_tile(acc, R, G)
     y = acc * scale
@@ -315,7 +315,7 @@ def apply_delta_kernel(in_ptr, w_ptr, n, msg, BITS: tl.constexpr, G: tl.constexp
     rmask = rows < n // G
     e0 = rows.to(tl.int64) * G
     in_ptr += s.to(tl.int64) * msg
-    delta = load_dequant(in_ptr, _f32(in_ptr + n * BITS // 8), e0, rmask, R, G, BITS, G, PACK)
+    delta = load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS), e0, rmask, R, G, BITS, G, PACK)
     offs = s.to(tl.int64) * n + e0[:, None] + tl.arange(0, G)[None, :]
     if DIRECT:
         w = delta
