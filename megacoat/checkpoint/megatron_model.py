@@ -150,9 +150,14 @@ def model_config_from_args(args, full: Dict[str, torch.Tensor]) -> ModelConfig:
         attention_dropout=float(_get(args, "attention_dropout", default=0.1)),
         hidden_dropout=float(_get(args, "hidden_dropout", default=0.1)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)))
+    if getattr(args, "disable_bias_linear", None) is not None:  # old spelling, as Megatron's own loader reads it
+        m.add_bias_linear = not args.disable_bias_linear
     resolve_model_defaults(m)
     if m.max_position_embeddings < m.seq_length:
-        m.seq_length = m.max_position_embeddings
+        if m.position_embedding_type == "rope":  # RoPE has no position table: only megacoat's cache size
+            m.max_position_embeddings = m.seq_length
+        else:  # learned positions: the table bounds the sequence
+            m.seq_length = m.max_position_embeddings
     _check_shapes(m, full)
     return m
 
