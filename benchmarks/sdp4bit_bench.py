@@ -119,7 +119,7 @@ def kernel_cases(n, dev, key):
     }
 
 
-def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=100.0, exact_n=8 * 2 ** 20, device="cuda"):
+def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 20, device="cuda"):
     from megacoat.kernels import sdp4bit as K
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
