@@ -532,8 +532,12 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
         if start % unit or inc % unit:
             return errors + [f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be multiples of "
                              f"--micro-batch-size x DP = {unit}."]
-        if start == t.global_batch_size:
-            ramp = None
+        pp = cfg.parallel.pipeline_model_parallel_size
+        if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and \
+                ((start // unit) % pp or (inc // unit) % pp):
+            return errors + [f"--rampup-batch-size {start} {inc} {samples} with the interleaved schedule: every "
+                             f"step's micro-batches must be a multiple of --pipeline-model-parallel-size {pp}, so "
+                             f"START and INCREMENT must be multiples of {unit * pp}."]
     iters, consumed = 0, 0
     while True:  # whole steps that fit in --train-samples
         gbs = global_batch_size_at(cfg, consumed)

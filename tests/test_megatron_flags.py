@@ -172,3 +172,15 @@ def test_recompute_gives_identical_gradients_single():
 
 def test_recompute_gives_identical_gradients_tp2_sp():
     run_distributed(_compare_recompute, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+
+
+def test_rampup_with_interleaved_pipeline(tmp_path):
+    flags = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8", "--train-samples", "24"]
+    with pytest.raises(ConfigError, match="START and INCREMENT must be multiples of 4"):
+        validate_config(parse_args(flags + ["--rampup-batch-size", "2", "2", "8"]), 2)
+    log = tmp_path / "log.jsonl"
+    r = run_cli(flags + ["--rampup-batch-size", "4", "4", "8", "--log-json", str(log)], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # ramp 4 -> 8 by 4 over 8 samples: 0 -> 4 (4), 4 -> 8 (4), 8 -> 16 (8), 16 -> 24 (8)
+    assert [x["consumed_samples"] for x in _records(log)] == [4, 8, 16, 24]
