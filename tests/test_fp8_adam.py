@@ -196,7 +196,7 @@ def test_codec_chunks_equal_flat_reference(grad_dtype):
     codec, grad_buf, g, sizes, offsets = _chunked_setup(grad_dtype)
     n = codec.master.numel()
     master = codec.master.clone()
-    m, v = MomentState("fp8", n, "cpu"), MomentState("fp8", n, "cpu")
+    m, v = MomentState("fp8", n, "cpu", True, codec.m.fast), MomentState("fp8", n, "cpu", True, codec.v.fast)
     step = torch.zeros(())
     for t in range(5):
         grad_buf.copy_(torch.randn(grad_buf.numel(), generator=g) * 10 ** (-t))
