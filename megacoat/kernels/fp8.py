@@ -6,10 +6,9 @@ Set MEGACOAT_NO_TRITON=1 to force the references.
 """
 from __future__ import annotations
 
-import os
-from functools import lru_cache
-
 import torch
+
+from . import triton_available
 
 # Kept here (the lower layer) so that precision/fp8.py and these launchers share one definition.
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -24,16 +23,9 @@ TILES = {"cast": (128, 128, 8), "quantize_1x16": (32, 16, 8), "dequantize_1x16":
 SCALE_DTYPE_1X16 = torch.bfloat16  # group scales, rounded up (see kernels/triton/fp8_quant.py)
 
 
-@lru_cache(maxsize=None)
 def available() -> bool:
-    """Triton kernels can run (Triton importable, not disabled). Devices are checked by callers."""
-    if os.environ.get("MEGACOAT_NO_TRITON") == "1":
-        return False
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    """Triton kernels can run (devices are checked by callers)."""
+    return triton_available()
 
 
 def _k():

@@ -8,9 +8,10 @@ rounding hash live here (the lower layer) so that both implementations share one
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 import torch
+
+from . import triton_available
 
 HASH_C1, HASH_C2 = 0x045D9F3B, 0x119DE1F3
 MIN_AMAX = 2.0 ** -96
@@ -21,15 +22,9 @@ WARPS = 8
 _OPTS = dict(enable_fp_fusion=False)  # no FMA contraction: bit-identical to the references
 
 
-@lru_cache(maxsize=None)
 def available() -> bool:
-    if os.environ.get("MEGACOAT_NO_TRITON") == "1":
-        return False
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    """Triton kernels can run (devices are checked by callers)."""
+    return triton_available()
 
 
 def _k():
