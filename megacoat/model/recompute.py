@@ -71,21 +71,17 @@ def _tracker_snapshot_context(rng) -> Callable:
     return context_fn
 
 
+@torch.compiler.disable
 def recompute(fn: Callable, *args, rng=None):
-    """fn(*args) whose intermediate activations are recomputed in backward (bit-identical)."""
+    """fn(*args) whose intermediate activations are recomputed in backward (bit-identical).
+
+    Always eager: inside a torch.compile'd layer (selective recomputation) it is a graph break.
+    Traced, the checkpoint saved the weights' main_grad buffers, which the fused weight-gradient
+    GEMM of an earlier micro-batch updates in place (autograd then refuses the backward)."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    if _compiling():  # inside a torch.compile'd layer: dynamo takes no custom context_fn
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=_tracker_snapshot_context(rng))
-
-
-def _compiling() -> bool:
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if check is None:  # torch < 2.3
-        check = torch._dynamo.is_compiling
-    return bool(check())
 
 
 def run_layer_group(layers: Sequence, x, rope, attention_mask, recomputed: bool, rng=None):

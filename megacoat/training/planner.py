@@ -215,7 +215,9 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
             states, masters, sizes = {}, {}, None
             for fmt, (mom1, mom2) in STATE_FORMATS.items():
                 c = copy.deepcopy(cfg)
-                c.optim.use_precision_aware_optimizer = fmt != "fp32"
+                # fp32 on a GPU target: the flat codec with fp32 moments, as the optimizer picks it there
+                # when the fused CUDA extension builds (optim.fp8_adam.choose_state_formats).
+                c.optim.use_precision_aware_optimizer = fmt != "fp32" or target.type == "cuda"
                 c.optim.exp_avg_dtype, c.optim.exp_avg_sq_dtype = mom1, mom2
                 opt = build_optimizer(model, c, ctx, recipe.grad_dtype)
                 states[fmt], masters[fmt] = _state_bytes(opt), _master_bytes(opt)
