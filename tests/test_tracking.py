@@ -138,3 +138,16 @@ def test_wandb_options_need_a_project():
 def test_flatten_metrics():
     assert flatten_metrics({"iteration": 3, "a": 1.5, "mfu": None, "c": {"grad": 10, "param": 0}, "ok": True}) == \
         {"a": 1.5, "c/grad": 10, "c/param": 0, "ok": 1.0}
+
+
+def test_wandb_run_id_survives_a_restart(tmp_path):
+    """With --save, a resumed job (preemption, requeue) logs into the same W&B run."""
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+    flags = TINY + ["--global-batch-size", "2", "--fp32", "--num-workers", "0", "--wandb-project", "p",
+                    "--wandb-save-dir", str(tmp_path / "wb"), "--save", str(tmp_path / "ck")]
+    for iters in ("2", "3"):
+        r = _run(flags + ["--train-iters", iters, "--load", str(tmp_path / "ck")], 1, env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1, runs

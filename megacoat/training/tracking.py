@@ -6,6 +6,7 @@ error at start-up, not a crash at the first log line.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Dict, Optional
@@ -66,9 +67,21 @@ def _start_wandb(cfg: MegacoatConfig):
                           "'megacoat[wandb]'); WANDB_MODE=offline logs without a network.") from e
     if lg.wandb_save_dir:
         os.makedirs(lg.wandb_save_dir, exist_ok=True)
+    # A run that saves checkpoints keeps one W&B run id across restarts (preemption, requeue), so a
+    # resumed job continues its curves; W&B ignores the records of iterations it already has.
+    kw = {}
+    if cfg.checkpoint.save:
+        kw = dict(id=wandb_run_id(cfg), resume="allow")
     # The resolved config (defaults filled in by validation) is the run's config.
     return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, name=lg.wandb_exp_name,
-                      dir=lg.wandb_save_dir, config=cfg.to_dict())
+                      dir=lg.wandb_save_dir, config=cfg.to_dict(), **kw)
+
+
+def wandb_run_id(cfg: MegacoatConfig) -> str:
+    """Stable id of a training run: its project, name and checkpoint directory."""
+    key = "|".join([cfg.logging.wandb_project or "", cfg.logging.wandb_exp_name or "",
+                    os.path.abspath(cfg.checkpoint.save or "")])
+    return "megacoat-" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def _start_tensorboard(log_dir: str, cfg: MegacoatConfig):
