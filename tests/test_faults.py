@@ -139,3 +139,29 @@ def test_sigterm_saves_at_the_next_boundary_and_resume_is_exact(tmp_path):
     got, want = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "ref.jsonl")
     assert sorted(got) == list(range(1, 9))
     assert got == want  # bit-exact continuation
+
+
+def test_sigterm_to_torchrun_saves_at_a_boundary(tmp_path):
+    """SLURM preemption under torchrun: the agent forwards SIGTERM to its workers, which save at the
+    next iteration boundary (within torchrun's 30 s grace) and stop early."""
+    save = tmp_path / "ckpt"
+    out = open(tmp_path / "out.txt", "w")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           os.path.join(ROOT, "pretrain_gpt.py")] + ARGS + ["--train-iters", "100000", "--exit-signal-handler",
+                                                            "--save", str(save)]
+    p = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while "iteration        3/" not in (tmp_path / "out.txt").read_text():
+            assert time.time() < deadline and p.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = (tmp_path / "out.txt").read_text()
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 100000
+    assert f"exiting at iteration {saved}: received signal {int(signal.SIGTERM)}" in text, text[-3000:]
+    assert (save / f"iter_{saved:07d}").is_dir()
