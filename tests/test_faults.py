@@ -165,3 +165,25 @@ def test_sigterm_to_torchrun_saves_at_a_boundary(tmp_path):
     assert 3 <= saved < 100000
     assert f"exiting at iteration {saved}: received signal {int(signal.SIGTERM)}" in text, text[-3000:]
     assert (save / f"iter_{saved:07d}").is_dir()
+
+
+def _agree_on_signal(rank, world):
+    import torch.distributed as dist
+    from megacoat.training.faults import ExitSignalHandler
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is None else real(group)  # as on GPUs
+    try:
+        h = ExitSignalHandler(torch.device("cpu"), timeout_minutes=0.5)
+    finally:
+        dist.get_backend = real
+    assert h.group is not None and real(h.group) == "gloo"  # the per-step check stays on the host
+    assert h.requested() is False
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process lives on
+    assert h.requested() is True  # every rank learns it at the same boundary
+    h.restore()
+
+
+def test_signal_agreement_runs_over_a_host_group():
+    from dist_utils import run_distributed
+    run_distributed(_agree_on_signal, 2)

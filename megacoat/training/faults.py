@@ -5,6 +5,7 @@ set in init_distributed) and by Trainer.close(failed=True), which aborts instead
 """
 from __future__ import annotations
 
+import datetime
 import signal
 from typing import Optional
 
@@ -50,19 +51,25 @@ class ExitSignalHandler:
     Installed before the DataLoader workers are forked, so they inherit it and survive the signal
     that SLURM sends to every process of the job step (the main process shuts them down)."""
 
-    def __init__(self, device: torch.device, signum: int = signal.SIGTERM):
+    def __init__(self, device: torch.device, signum: int = signal.SIGTERM, timeout_minutes: Optional[float] = None):
         self.device, self.signum = device, signum
         self.received = False
+        # The per-step agreement runs on the host over gloo: an NCCL all-reduce read back with .item()
+        # would wait for the GPU every step. Collective: every rank builds the handler.
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+            self.group = dist.new_group(backend="gloo", **kw)
         self._previous = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def requested(self, group=None) -> bool:
+    def requested(self) -> bool:
         flag = self.received
         if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if flag else 0], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)  # host memory (gloo)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             flag = bool(t.item())
         return flag
 
