@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     configure_library_logging()  # e.g. progress while the default corpus is built on first use
     try:
         if cfg.train.dry_run:  # plan only: no process group, no GPU, no data loading
+            if os.environ.get("RANK", "0") != "0":  # started by a launcher: one plan is enough
+                return 0
             from megacoat.data import build_tokenizer
             from megacoat.training.planner import dry_run
             dry_run(cfg, build_tokenizer(cfg.data).vocab_size, sys.stdout)

@@ -118,3 +118,9 @@ def test_activation_estimate_with_full_recomputation():
     per_layer = plain.activations["bf16"] / (4 * tokens)
     # two groups of two layers: their two inputs (2 bytes x h per token) + one group live in backward
     assert full.activations["bf16"] == int(tokens * (2 * 2 * h + 2 * per_layer))
+
+
+def test_dry_run_under_a_launcher_prints_one_plan():
+    r = run_cli(BASE + ["--dry-run", "--world-size", "4", "--use-distributed-optimizer"], nproc=2, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("dry run: world 4 = TP 1 x PP 1 x DP 4") == 1
