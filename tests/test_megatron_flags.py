@@ -184,3 +184,15 @@ def test_rampup_with_interleaved_pipeline(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     # ramp 4 -> 8 by 4 over 8 samples: 0 -> 4 (4), 4 -> 8 (4), 8 -> 16 (8), 16 -> 24 (8)
     assert [x["consumed_samples"] for x in _records(log)] == [4, 8, 16, 24]
+
+
+def test_recompute_under_coat_fp8_gives_identical_gradients():
+    """COAT layers (FP8 GEMMs, FP8 saved activations, emulated on CPU) recompute to the same bits."""
+    flags = TINY[:] + ["--bf16", "--num-workers", "0", "--num-layers", "2", "--global-batch-size", "4",
+                       "--fp8-format", "hybrid", "--fp8-recipe", "coat", "--attention-dropout", "0.1",
+                       "--hidden-dropout", "0.1"]
+    ref_loss, ref, _ = _grads_and_forward_counts(flags, 1)
+    for name in ("full-uniform-1", "selective"):
+        loss, got, counts = _grads_and_forward_counts(flags + RECOMPUTE[name], 1)
+        assert loss == ref_loss and all(torch.equal(got[n], ref[n]) for n in ref), name
+        assert counts["layers.0.attention._core"] == 4, counts
