@@ -2,9 +2,11 @@
 
 DESIGN 5.4: identical FP8 codes and k over 100 consecutive steps on sizes that are not multiples
 of 128, masters within 1e-6 relative (the kernel repeats the reference's fp32 operations one for
-one, so everything is expected bit-identical; the test reports any difference). Also: every
-state format, fp32 and bf16 gradients, the bf16 weights written in the same pass, clip factor and
-skip flag on the device, COAT's golden outputs, the fp32 variant against torch's AdamW.
+one, including CUDA's powf/log2f/exp2f, which torch's fp32 pow/log2/exp2 call on the GPU, so
+everything is expected bit-identical; the test reports any difference). Also: every state format
+(FP8 expansion in the fast exp2/log2 form and in COAT's powf form), fp32 and bf16 gradients, the
+bf16 weights written in the same pass, clip factor and skip flag on the device, agreement with
+COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-reference fallback.
 """
 import math
 import os
@@ -13,8 +15,8 @@ import pytest
 import torch
 
 from megacoat.config import OptimizerConfig
-from megacoat.optim.fp8_adam import (GROUP, AdamHyper, Chunk, MomentState, PrecisionAwareAdamW, decay_table,
-                                     fused_extension, reference_step)
+from megacoat.optim.fp8_adam import (GROUP, AdamHyper, Chunk, MomentState, PrecisionAwareAdamW, _reference_with_skip,
+                                     decay_table, fused_extension, reference_step)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,23 +27,24 @@ def _cfg():
     return OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 
 
-def _setup(fmt, grad_dtype, seed=0):
+def _setup(fmt, grad_dtype, seed=0, sizes=SIZES):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     offsets, n = [], 0
-    for s in SIZES:
+    for s in sizes:
         offsets.append(n)
         n += -(-s // GROUP) * GROUP
     master = torch.zeros(n, device=dev)
-    grad_buf = torch.zeros(sum(SIZES) + 3, dtype=grad_dtype, device=dev)   # + 3: misaligned chunks too
+    grad_buf = torch.zeros(sum(sizes) + 3, dtype=grad_dtype, device=dev)   # + 3: misaligned chunks too
     chunks, pos = [], 3
-    for i, (s, off) in enumerate(zip(SIZES, offsets)):
+    for i, (s, off) in enumerate(zip(sizes, offsets)):
         master[off: off + s] = torch.randn(s, generator=g, device=dev) * 0.02
         w = torch.zeros(s, dtype=torch.bfloat16, device=dev)
         chunks.append(Chunk(off, off + -(-s // GROUP) * GROUP, grad_buf[pos: pos + s], w))
         pos += s
-    decay = decay_table([(off, s, i % 2 == 0) for i, (off, s) in enumerate(zip(offsets, SIZES))], n, dev)
-    codec = PrecisionAwareAdamW(master, chunks, decay, _cfg(), fmt[0], fmt[1], expand=fmt[2])
+    decay = decay_table([(off, s, i % 2 == 0) for i, (off, s) in enumerate(zip(offsets, sizes))], n, dev)
+    fast = fmt[3] if len(fmt) > 3 else True
+    codec = PrecisionAwareAdamW(master, chunks, decay, _cfg(), fmt[0], fmt[1], expand=fmt[2], fast_expansion=fast)
     return codec, grad_buf, g
 
 
@@ -50,14 +53,16 @@ def test_extension_builds():
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", [("fp8", "fp8", True), ("fp8", "fp8", False), ("bf16", "bf16", True),
-                                 ("fp32", "fp32", True)])
+@pytest.mark.parametrize("fmt", [("fp8", "fp8", True, True), ("fp8", "fp8", True, False), ("fp8", "fp8", False),
+                                 ("bf16", "bf16", True), ("fp32", "fp32", True)],
+                         ids=["fp8_expand_fast", "fp8_expand_exact", "fp8_absmax", "bf16", "fp32"])
 def test_kernel_matches_reference_100_steps(fmt, grad_dtype):
     codec, grad_buf, g = _setup(fmt, grad_dtype)
     assert codec.ext is not None, "the kernel should run for these formats"
     n = codec.master.numel()
     master = codec.master.clone()
-    m, v = MomentState(fmt[0], n, "cuda", fmt[2]), MomentState(fmt[1], n, "cuda", fmt[2])
+    m = MomentState(fmt[0], n, "cuda", fmt[2], codec.m.fast)
+    v = MomentState(fmt[1], n, "cuda", fmt[2], codec.v.fast)
     step = torch.zeros((), device="cuda")
     code_diffs = k_diffs = 0
     for t in range(100):
@@ -101,13 +106,42 @@ def test_skip_flag_and_step_count_on_device():
         assert torch.equal(a, b)
 
 
-def test_kernel_reproduces_coat_golden():
+def _ordinal(q):
+    """E4M3 codes as signed integers ordered like their values."""
+    q = q.to(torch.int32)
+    return torch.where(q >= 128, 128 - q, q)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact_form", "fast_form"])
+def test_kernel_agrees_with_coat_golden(fast):
+    """Agreement with COAT's own kernel outputs (tests/data), measured, printed and bounded.
+
+    Why not bit for bit on the GPU (round 1 on the H200: v codes of tensor 0 differed at step 20):
+    COAT's kernel is built with nvcc's default FMA contraction (its b1 m + (1 - b1) g and
+    b2 v + (1 - b2) g g become fused multiply-adds), computes the centre as sqrt(max min) (ours:
+    sqrt(max) sqrt(min), which cannot underflow) and uses powf, which is not correctly rounded; so
+    some fp32 results differ from ours in the last bit. A last-bit difference moves an E4M3 code
+    only where the value sits at a rounding boundary, and then by one step. Later steps carry it
+    on: the moments differ by that step, a group whose smallest element moved gets another min,
+    so another c and s (all its codes may shift) or even another k (several 1/16: k is
+    floor(16 log2(448^2/2) / log2(max/min)) / 16). The CPU reference happens to match every checked
+    code on these inputs (tests/test_fp8_adam.py keeps that exact); the GPU kernel need not.
+
+    What a correct implementation guarantees, and is asserted: at step 1 (zero state: the moments
+    are (1 - b) g up to one rounding) codes within one step and every k identical (both measured
+    on the CPU: the fast form differs from the golden in 1e-5 of the codes there); at steps 10 and
+    20 >= 99.5 % identical codes, identical k in >= 99 % of groups, dequantized moments within
+    5e-3 relative L2 of COAT's (E4M3's own quantization error is ~3e-2; measured on the CPU: exact
+    form 2.5e-7, fast form 1.2e-3), parameters within 2e-5 relative L2 (the README's bound) for
+    the exact form and 5e-4 for the fast form (measured on the CPU: 1.4e-4; its codes are a
+    different rounding of the same function, so COAT's boundary cases flip more often)."""
     gold = torch.load(os.path.join(os.path.dirname(__file__), "data", "coat_adamw_golden_nozeros.pt"),
                       weights_only=True)
     h = gold["hyper"]
     from test_fp8_adam import _golden_grad
     cfg = OptimizerConfig(lr=h["lr"], weight_decay=h["wd"], adam_beta1=h["beta1"], adam_beta2=h["beta2"],
                           adam_eps=h["eps"], clip_grad=0.0)
+    report = []
     for i, shape in enumerate(gold["shapes"]):
         n = math.prod(shape)
         size = -(-n // GROUP) * GROUP
@@ -115,15 +149,40 @@ def test_kernel_reproduces_coat_golden():
         master[:n] = gold["expand_init"][i].reshape(-1).cuda()
         grad = torch.zeros(n, device="cuda")
         decay = torch.ones(size // GROUP, dtype=torch.bool, device="cuda")
-        codec = PrecisionAwareAdamW(master, [Chunk(0, size, grad)], decay, cfg, "fp8", "fp8", True)
+        codec = PrecisionAwareAdamW(master, [Chunk(0, size, grad)], decay, cfg, "fp8", "fp8", True, fast_expansion=fast)
+        assert codec.ext is not None
         for t in range(1, 21):
             grad.copy_(_golden_grad(t, i, shape).reshape(-1))
             codec.step(h["lr"], torch.zeros((), device="cuda"))
-            if t in (1, 10, 20):
-                want = gold["expand"][t][i]
-                assert torch.equal(codec.m.data[:n].cpu(), want["m"].reshape(-1)), (i, t)
-                assert torch.equal(codec.v.data[:n].cpu(), want["v"].reshape(-1)), (i, t)
-                assert torch.equal(codec.m.k.cpu(), want["km"]) and torch.equal(codec.v.k.cpu(), want["kv"])
+            if t not in (1, 10, 20):
+                continue
+            want = gold["expand"][t][i]
+            for name, ms in (("m", codec.m), ("v", codec.v)):
+                got = ms.data[:n].cpu()
+                dist = (_ordinal(got) - _ordinal(want[name].reshape(-1))).abs()
+                same = (dist == 0).float().mean().item()
+                k = ms.k.cpu()
+                k_same = (k == want["k" + name]).float().mean().item()
+                k_dist = (k - want["k" + name]).abs().max().item()
+                codes = torch.zeros(size, dtype=torch.uint8)
+                codes[:n] = want[name].reshape(-1)
+                theirs = MomentState("fp8", size, "cpu", True)       # COAT's values: exact form, its s, k, c
+                theirs.data.copy_(codes)
+                theirs.s.copy_(want["s" + name]), theirs.k.copy_(want["k" + name]), theirs.c.copy_(want["c" + name])
+                ref_vals = theirs.load(0, size // GROUP).view(-1)[:n]
+                vals = ms.load(0, size // GROUP).view(-1)[:n].cpu()
+                val_rel = ((vals - ref_vals).norm() / ref_vals.norm()).item()
+                report.append(f"tensor {i} step {t} {name}: codes identical {same:.6f} ({int((dist > 0).sum())} "
+                              f"differ, max distance {int(dist.max())}), k identical {k_same:.4f} (max |dk| "
+                              f"{k_dist}), values relative L2 {val_rel:.3g}")
+                if t == 1:
+                    assert int(dist.max()) <= 1 and k_same == 1.0, report[-1]
+                assert same >= 0.995 and k_same >= 0.99 and val_rel <= 5e-3, report[-1]
+            ref_p = want["param"].reshape(-1)
+            rel = ((codec.master[:n].cpu() - ref_p).norm() / ref_p.norm()).item()
+            report.append(f"tensor {i} step {t}: parameter relative L2 {rel:.3g}")
+            assert rel <= (5e-4 if fast else 2e-5), report[-1]
+    print("\n".join(report))
 
 
 def test_fp32_kernel_close_to_torch_adamw():
@@ -148,15 +207,29 @@ def test_fp32_kernel_close_to_torch_adamw():
 
 
 def test_compiled_reference_fallback_close_to_kernel():
-    """Without the kernel the GPU runs the reference under torch.compile (with the device skip)."""
-    a, grad_a, g = _setup(("fp8", "fp8", True), torch.float32, seed=3)
-    b, grad_b, _ = _setup(("fp8", "fp8", True), torch.float32, seed=3)
+    """Without the kernel the GPU runs the reference under torch.compile (with the device skip).
+    fullgraph=True: a graph break fails here (round 1: a host tensor made in AdamHyper.scalars
+    broke the graph and inductor compiled a CPU kernel past the test's time limit). Small, one
+    compile: lr changes every step but is passed as a device tensor (no recompilation)."""
+    sizes = [1000, 77]
+    a, grad_a, g = _setup(("fp8", "fp8", True), torch.float32, seed=3, sizes=sizes)
+    b, grad_b, _ = _setup(("fp8", "fp8", True), torch.float32, seed=3, sizes=sizes)
     b.ext = None
-    for t in range(5):
+    b._compiled = torch.compile(_reference_with_skip, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    for t in range(4):
         x = torch.randn(grad_a.numel(), generator=g, device="cuda") * 1e-2
         grad_a.copy_(x)
         grad_b.copy_(x)
-        a.step(1e-3, x.norm())
-        b.step(1e-3, x.norm())
+        lr = 1e-3 * (t + 1)
+        norm = x.norm() if t != 2 else torch.tensor(float("inf"), device="cuda")   # step 2 is skipped
+        a.step(lr, norm)
+        b.step(lr, norm)
+    assert b._compiled is not _reference_with_skip, "the compiled reference fell back to eager"
+    assert a.step_count.item() == b.step_count.item() == 3
     torch.testing.assert_close(a.master, b.master, rtol=1e-4, atol=1e-6)
-    assert (a.m.data == b.m.data).float().mean() > 0.99
+    # Triton's exp2/log2 need not round like CUDA's exp2f/log2f: codes within one step
+    dist = (_ordinal(a.m.data) - _ordinal(b.m.data)).abs()
+    assert int(dist.max()) <= 1 and (dist == 0).float().mean() > 0.99
+    for c_a, c_b in zip(a.chunks, b.chunks):
+        torch.testing.assert_close(c_a.weight.float(), c_b.weight.float(), rtol=1e-2, atol=1e-5)
