@@ -13,10 +13,15 @@ its gradient and, optionally, the bf16 weight buffer the step writes in the same
 
 `reference_step` is the specification, the CPU path and the test oracle: every fp32 operation is
 a single IEEE-rounded torch op in a fixed order, which the CUDA kernel (`csrc/fused_adamw.cu`)
-repeats one for one, so the two agree bit for bit on the GPU. The two transcendental functions
-(pow, log2) are CUDA's `powf`/`log2f` on the GPU (torch's fp32 pow and log2 call them); on the CPU
-they are computed in float64 and rounded, which is what CUDA's functions return in all but rare
-cases (COAT's golden outputs, made by its CUDA kernel, are reproduced exactly this way).
+repeats one for one, so the two agree bit for bit on the GPU. The transcendental functions
+(pow, log2, exp2) are CUDA's `powf`/`log2f`/`exp2f` on the GPU (torch's fp32 pow, log2 and exp2
+call them); on the CPU they are computed in float64 and rounded, which is what CUDA's functions
+return in most cases (the exact form reproduces COAT's golden codes this way on the CPU).
+
+The expansion has two forms with the same group statistics: COAT's (powf and divisions per
+element; `fast=False`) and the default exp2/log2 form (quantize_groups), ~5x fewer instructions,
+codes within one E4M3 step of COAT's form (tests/test_fp8_adam_fast.py). Checkpoints store
+(codes, s, k, c) with the same meaning in both forms.
 """
 from __future__ import annotations
 
