@@ -109,7 +109,25 @@ class GPTSentencePieceTokenizer:
         return self._sp.decode_ids([int(i) for i in ids])
 
 
-class HuggingFaceTokenizer:
+class _TokenizersLibraryMethods:
+    """The tokenizer interface over a `tokenizers.Tokenizer` held in `self._tok` (no special tokens added)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: List[str], num_threads: int = -1) -> List[List[int]]:
+        # `tokenizers` sizes its own thread pool (RAYON_NUM_THREADS); num_threads is accepted for symmetry.
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer(_TokenizersLibraryMethods):
     _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
     def __init__(self, path: str):
@@ -153,22 +171,9 @@ class HuggingFaceTokenizer:
             f"--tokenizer-model {self.model_file}: cannot find an end-of-document token (looked for the eos_token "
             f"of tokenizer_config.json and {', '.join(self._EOS_CANDIDATES)})")
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: List[str], num_threads: int = -1) -> List[List[int]]:
-        # `tokenizers` sizes its own thread pool (RAYON_NUM_THREADS); num_threads is accepted for symmetry.
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def detokenize(self, ids: List[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(_TokenizersLibraryMethods):
     """GPT-2's byte-level BPE (Megatron's GPT2BPETokenizer): vocab.json + merges.txt, no special handling
     of `<|endoftext|>` inside text (as Megatron's), which is the end-of-document id."""
 
@@ -199,18 +204,6 @@ class GPT2BPETokenizer:
             raise TokenizerError(f"--vocab-file {vocab_file} has no {self.EOD_TOKEN} token (GPT-2's end of document)")
         self.eos, self.bos, self.pad = self.eod, None, None
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: List[str], num_threads: int = -1) -> List[List[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def detokenize(self, ids: List[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class NullTokenizer:
