@@ -150,8 +150,8 @@ def test_grad_buckets_released_between_steps_match_persistent():
         losses, grads = [], []
         for step in range(3):
             opt.zero_grad()
-            for mb in tokens[step:step + 2]:  # two micro-batches
-                opt.start_micro_batch(is_last=True)
+            for i, mb in enumerate(tokens[step:step + 2]):  # two micro-batches
+                opt.start_micro_batch(is_last=i == 1)
                 loss = model(mb[:, :-1], labels=mb[:, 1:]).mean() / 2
                 loss.backward()
             grads.append(torch.cat([b.clone() for b in opt.grad_buffer.buckets]))
@@ -200,3 +200,29 @@ def test_grad_norm_overlap_matches_the_norm_after_backward():
         norms.append(got)
     for a, b in zip(*norms):
         assert abs(a - b) <= 1e-6 * b, norms
+
+
+def test_grad_norm_overlap_with_the_last_flag_given_twice_is_not_stale():
+    """A caller that flags every micro-batch as the last must still get the true norm."""
+    tokens = torch.randint(0, 100, (2, 2, 17), generator=torch.Generator().manual_seed(8))
+    norms = []
+    for overlap in (True, False):
+        model, opt = _tiny_gpt_with_optimizer(3000, clip_grad=0.5)
+        if not overlap:
+            opt.norm_overlap = None
+        opt.zero_grad()
+        for mb in tokens:
+            opt.start_micro_batch(is_last=True)
+            (model(mb[:, :-1], labels=mb[:, 1:]).mean() / 2).backward()
+        norms.append(opt.step(1e-2).grad_norm.item())
+    assert abs(norms[0] - norms[1]) <= 1e-6 * norms[1], norms
+
+
+def test_pre_backward_hook_keeps_stage_outputs_freeable():
+    """The pipeline frees a sent activation by replacing its data: the hook must not make it a view."""
+    model, opt = _tiny_gpt_with_optimizer(3000)
+    tokens = torch.randint(0, 100, (2, 17))
+    h = model.embed(tokens[:, :-1], torch.arange(16).unsqueeze(0).expand(2, 16))
+    x = model.layers[0](h)
+    x = model._before_backward(x, model.layers[0])
+    assert x._base is None and x.grad_fn is not None

@@ -16,6 +16,15 @@ from __future__ import annotations
 import torch
 
 
+def require_main_grad_storage(main_grad: torch.Tensor) -> None:
+    """A gradient bucket released between steps (its storage resized to 0) must be re-allocated before
+    anything writes it: refuse loudly instead of writing into freed memory."""
+    if main_grad.untyped_storage().nbytes() < (main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size():
+        raise RuntimeError("a gradient arrived for a parameter whose gradient buffer is released (its bucket was not "
+                           "re-allocated before this backward: the model did not call its pre_backward_hook before "
+                           "this module's backward; a module used outside GPTModel.forward?)")
+
+
 def wgrad_accumulate_reference(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
                                overwrite: bool) -> None:
     g = grad_output.reshape(-1, grad_output.shape[-1])
@@ -53,9 +62,7 @@ def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, i
 @torch.library.custom_op("megacoat::wgrad_accumulate_", mutates_args=("main_grad", "overwrite"))
 def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
                       overwrite: torch.Tensor) -> None:
-    if main_grad.untyped_storage().nbytes() < (main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size():
-        raise RuntimeError("wgrad_accumulate_: main_grad has no memory (its gradient bucket was released and not "
-                           "re-allocated before this backward)")
+    require_main_grad_storage(main_grad)
     first = bool(overwrite.item())  # a CPU flag: no device sync
     if main_grad.dtype == grad_output.dtype or not wgrad_accumulate_fused(main_grad, grad_output, inp, first):
         wgrad_accumulate_reference(main_grad, grad_output, inp, first)

@@ -20,21 +20,6 @@ from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity whose backward first calls `fn`: placed on a module's output, it runs just before that
-    module's backward (the optimizer allocates the gradient storage of its parameters there)."""
-
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.fn()
-        return grad, None
-
-
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: a multiple of divisible_by * TP, so every TP shard is equal and aligned."""
     multiple = divisible_by * tp
@@ -106,10 +91,14 @@ class GPTModel(nn.Module):
             self.pre_module_hook(module)
 
     def _before_backward(self, x: torch.Tensor, *modules: nn.Module) -> torch.Tensor:
+        """Have `pre_backward_hook(modules)` run just before the backward of the node that produced x (the
+        optimizer allocates the gradient storage of these modules' parameters there). A hook on the
+        autograd node, not an identity function: x stays the same tensor, so the pipeline can still free
+        its data after sending it."""
         hook = self.pre_backward_hook
-        if hook is None or not torch.is_grad_enabled() or not x.requires_grad:
-            return x
-        return _BeforeBackward.apply(x, lambda: hook(modules))
+        if hook is not None and torch.is_grad_enabled() and x.grad_fn is not None:
+            x.grad_fn.register_prehook(lambda grad_outputs: hook(modules))
+        return x
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under SP)."""

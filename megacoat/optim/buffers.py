@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..kernels.wgrad import require_main_grad_storage
+
 
 class GradAccumulator:
     """Moves each fresh `.grad` into `param.main_grad` (a buffer view) from a post-accumulate hook.
@@ -39,7 +41,7 @@ class GradAccumulator:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
     def _accumulate(self, p: torch.Tensor) -> None:
-        require_storage(p.main_grad)
+        require_main_grad_storage(p.main_grad)
         if id(p) in self._fused_ids:
             self._fresh.discard(id(p))
         elif id(p) in self._fresh:
@@ -130,14 +132,6 @@ class GradBuffer:
         for b in self.buckets:  # parameters that got no gradient still need zeros to read
             _allocate(b)
         self.accumulator.finalize()
-
-
-def require_storage(main_grad: torch.Tensor) -> None:
-    """A gradient buffer released between steps must be re-allocated before anything writes it."""
-    if main_grad.untyped_storage().nbytes() < (main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size():
-        raise RuntimeError("a gradient arrived for a parameter whose gradient buffer is released: the model did "
-                           "not call its pre_backward_hook before this module's backward (a module used outside "
-                           "GPTModel.forward?)")
 
 
 def _allocate(t: torch.Tensor) -> None:

@@ -44,6 +44,10 @@ class BucketNormOverlap:
         self._ready[i] += 1
         if self._ready[i] == len(self.bucket_params[i]):
             self._launch(i)
+        elif self._ready[i] > len(self.bucket_params[i]):
+            # Gradients arrived again after the bucket was complete (the last-micro-batch flag was given
+            # more than once): its partial is stale, so `total` reads the bucket after the backward.
+            self._partials.pop(i, None)
 
     def _launch(self, i: int) -> None:
         grads = [p.main_grad for p in self.counted[i]]

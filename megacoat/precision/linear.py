@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.wgrad import require_main_grad_storage
 from ..parallel.mappings import group_size
 from . import fp8
 from .recipe import Fp8Recipe
@@ -90,6 +91,7 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
     epilogue (`_scaled_mm(out=)`: no temporary, no stale read); later micro-batches add. Clears the flag.
     A custom op: compiled backward graphs keep it whole and do not trace the flag's host read."""
     first = bool(overwrite.item())  # CPU tensor: no device sync
+    require_main_grad_storage(main_grad)
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
     written = False
