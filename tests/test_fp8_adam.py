@@ -2,7 +2,6 @@
 outputs (tests/data, see /work/shared/golden/README.md), edge-case groups against a float64
 computation of DESIGN 5.4, the flat codec (chunks, bf16 gradients, weight writing, clip, skip)."""
 import math
-import os
 
 import pytest
 import torch

@@ -9,13 +9,12 @@ bf16 weights written in the same pass, clip factor and skip flag on the device, 
 COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-reference fallback.
 """
 import math
-import os
 
 import pytest
 import torch
 
 from megacoat.config import OptimizerConfig
-from megacoat.optim.fp8_adam import (GROUP, AdamHyper, Chunk, MomentState, PrecisionAwareAdamW, _reference_with_skip,
+from megacoat.optim.fp8_adam import (GROUP, Chunk, MomentState, PrecisionAwareAdamW, _reference_with_skip,
                                      decay_table, fused_extension, reference_step)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
