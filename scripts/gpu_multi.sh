@@ -1,0 +1,150 @@
+#!/bin/bash
+# Multi-GPU evidence (issue 15) on nvidia-h200-x4, in stages (STAGES=a,b,...), within BUDGET seconds.
+#   tests4   the 4-GPU NCCL tests (SDP4Bit as 2 nodes x 2, ZeRO, TP)
+#   tests, sdpbench, optbench, fp8bench   with tableb, on GPUs 2,3 (lane B): every gpu-marked test
+#            (2 GPUs visible) and the SDP4Bit, FP8-optimizer and FP8 kernel benchmarks
+#   tableb   Table B: ZeRO DP=2 as 2 one-GPU nodes, 1.36B, micro-batch 4, global batch 16, overlap on:
+#            plain vs qWD vs TLq-HS vs both at three link settings (timing lane, GPUs 0,1; 12 steps) and
+#            the same four for 100 steps with validation (loss lane, GPUs 2,3, NVLink); a one-GPU run
+#            with the same per-GPU work is the compute-only reference for exposed communication
+#   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between nodes
+#   tp       TP=2 x DP=2 with SP: bf16 vs FP8 tensorwise vs COAT + FP8 optimizer states
+#   corpus   a larger code corpus (the device's site-packages) for the convergence runs
+#   conv     ~125M model, 2000 steps, 2 x 2 layout: plain vs qWD + TLq-HS, validation loss
+#   loss200  1.36B, 2 x 2 layout, 200 steps: plain vs qWD + TLq-HS
+# Emulated nodes: one torchrun per node, each with its own NCCL_HOSTID, so NCCL treats them as two
+# hosts: it connects ranks of one node over NVLink (P2P) and ranks of different nodes through its
+# network transport (sockets over loopback, NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo).
+# Runs from a clean export of a commit (SRC, default .), reads the default corpus from .data, writes under $OUT.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/runs" /tmp/logs; R=$OUT/runs; LOG=$OUT/log.txt
+SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
+if [ -d "$HERE/.whl/megatron-core" ]; then  # carried wheel: the megatron-core logits test
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/megatron-core/*.whl 2>&1 | tail -1
+  export PYTHONPATH=$PWD:/tmp/site; fi
+STAGES=${STAGES:-tests,sdpbench,tableb,optbench,fp8bench}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+T0=$(date +%s); el() { echo "(t=$(( $(date +%s) - T0 )) s)"; }
+BUDGET=${BUDGET:-500}
+late() { if [ $(( $(date +%s) - T0 )) -gt $BUDGET ]; then echo "-- skipped $1 (budget) $(el)" >> $LOG; return 0; fi; return 1; }
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+{ date -u; cat COMMIT 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -6; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > $LOG 2>&1
+
+DATA=${DATA:-.data}
+STDLIB="--data-path $DATA/stdlib_text_document --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model"
+M1="--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 16 --attention-dropout 0 --hidden-dropout 0 --untie-embeddings-and-output-weights --bf16 --make-vocab-size-divisible-by 32000 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 --seed 1234"
+ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+QW="--quantized-weights"; QG="--quantized-gradients --hadamard-transform"
+NV=(NCCL_P2P_DISABLE=0); PCIE=(NCCL_P2P_DISABLE=1)
+SOCK=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo)
+INTER=(NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo)   # with per-node NCCL_HOSTID: sockets between nodes only
+TMO=${TMO:-120}
+TIMING="--train-iters 12 --log-interval 4 --eval-interval 0 --eval-iters 0"
+SMALL="--num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8"
+if [ "${SMOKE:-0}" = 1 ]; then  # CPU check of this script's plumbing: tiny models, 4 pretend GPUs
+  M1="$M1 --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
+  SMALL="--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --train-iters 20 --eval-interval 10 --eval-iters 2"
+  NGPU=4; export OMP_NUM_THREADS=1
+fi
+
+# launch NAME GPUS NODES PORT [ENV=V ...] -- pretrain_gpt.py flags
+launch() {
+  local name=$1 gpus=$2 nodes=$3 port=$4; shift 4; local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  late "$name" && return
+  local g; IFS=, read -ra g <<< "$gpus"; local per=$(( ${#g[@]} / nodes )) pids=() n vis
+  echo "== $name gpus=$gpus nodes=$nodes ${envs[*]} $* $(el)" >> $LOG
+  for ((n = 0; n < nodes; n++)); do
+    vis=$(IFS=,; echo "${g[*]:n*per:per}")
+    env "${envs[@]}" NCCL_HOSTID=megacoat-emu-node$n CUDA_VISIBLE_DEVICES=$vis timeout $TMO \
+      torchrun --nnodes $nodes --node-rank $n --nproc-per-node $per --master-addr 127.0.0.1 --master-port $port \
+      pretrain_gpt.py "$@" --log-json $R/$name.jsonl > /tmp/logs/$name.n$n.txt 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  { grep -hE "iteration +[0-9]+/|validation loss|rror|Traceback|model-state" /tmp/logs/$name.n*.txt | tail -n 5 | cut -c1-900
+    echo "-- end $name $(el)"; } >> $LOG
+  if grep -qE "Traceback|Error" /tmp/logs/$name.n*.txt; then cp /tmp/logs/$name.n*.txt $OUT/; fi
+}
+
+bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, JSON under $OUT
+  late $1 && return; echo "== $2 $(el)" >> $LOG
+  CUDA_VISIBLE_DEVICES=$3 timeout ${BENCH_TMO:-150} python3 benchmarks/$2 --out $OUT/$1.json "${@:4}" 2>&1 | grep -v Warning | tail -25 >> $LOG
+}
+if has tests4 && [ "$NGPU" -ge 4 ]; then echo "== 4-GPU NCCL tests $(el)" >> $LOG
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 -m gpu \
+    tests/test_sdp4bit_dist.py tests/test_gpu.py -k nccl > $OUT/nccl4_tests.txt 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" $OUT/nccl4_tests.txt | cut -c1-300 | tail -20 >> $LOG
+fi
+if has tableb; then
+  ( # timing lane, GPUs 0,1; then the compute-only reference on GPU 0
+    echo "== build CUDA extensions $(el)" >> $LOG
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+    for link in nvlink pcie sockets; do
+      case $link in nvlink) E=("${NV[@]}");; pcie) E=("${PCIE[@]}");; sockets) E=("${SOCK[@]}");; esac
+      launch b_${link}_plain 0,1 1 29500 "${E[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING
+      launch b_${link}_qw 0,1 1 29500 "${E[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW
+      launch b_${link}_qg 0,1 1 29500 "${E[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QG
+      launch b_${link}_both 0,1 1 29500 "${E[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW $QG
+    done
+    launch b_ref_1gpu 0 1 29500 -- $M1 $STDLIB --use-distributed-optimizer --global-batch-size 8 $TIMING
+  ) &
+  A=$!
+  if [ "$NGPU" -ge 4 ]; then ( # lane B, GPUs 2,3: GPU tests, kernel benchmarks, then the loss runs (NVLink, 100 steps)
+    if has tests; then echo "== GPU tests on 2 GPUs $(el)" >> $LOG
+      CUDA_VISIBLE_DEVICES=2,3 timeout ${TEST_TMO:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+        --timeout ${PER_TEST_TMO:-60} tests/ > $OUT/gputests.txt 2>&1
+      grep -E "passed|failed|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -40 >> $LOG
+    fi
+    has sdpbench && bench sdpbench sdp4bit_bench.py 2
+    L="--train-iters 100 --log-interval 10 --eval-interval 100 --eval-iters 3"
+    launch l_plain 2,3 1 29600 -- $M1 $STDLIB $ZERO --ranks-per-node 1 $L
+    launch l_both 2,3 1 29600 -- $M1 $STDLIB $ZERO --ranks-per-node 1 $L $QW $QG
+    launch l_qg 2,3 1 29600 -- $M1 $STDLIB $ZERO --ranks-per-node 1 $L $QG
+    launch l_qw 2,3 1 29600 -- $M1 $STDLIB $ZERO --ranks-per-node 1 $L $QW
+    has optbench && bench optbench optimizer_bench.py 3
+    has fp8bench && bench fp8bench fp8_bench.py 3 ${FP8_ARGS:-}
+  ) & fi
+  wait
+fi
+
+SITE=/tmp/code/sitepackages
+if has corpus; then (
+  echo "== corpus $(el)" >> $LOG; mkdir -p /tmp/code
+  timeout 240 python3 tools/preprocess_data.py --input $(python3 -c "import site; print(site.getsitepackages()[0])") \
+    --input-format text-files --input-suffix .py --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model \
+    --append-eod --output-prefix $SITE --workers 24 --no-progress-bar 2>&1 | tail -3 >> $LOG
+  echo "-- corpus done $(el)" >> $LOG ) &
+  CORPUS_PID=$!
+fi
+if has tp && [ "$NGPU" -ge 4 ]; then
+  T="$M1 $STDLIB $ZERO --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 16000 $TIMING"
+  FP8S="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
+  launch tp_bf16 0,1,2,3 1 29800 -- $T
+  launch tp_coat_fp8states 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
+  launch tp_tensorwise 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
+fi
+wait ${CORPUS_PID:-}
+if has twonode && [ "$NGPU" -ge 4 ]; then
+  M2="$M1 $STDLIB $ZERO --global-batch-size 32 $TIMING"
+  launch t_plain 0,1,2,3 2 29700 "${INTER[@]}" -- $M2
+  launch t_sdp4bit 0,1,2,3 2 29700 "${INTER[@]}" -- $M2 $QW $QG
+  launch t_plain_nvlink 0,1,2,3 1 29700 -- $M2
+fi
+if has conv && [ "$NGPU" -ge 4 ]; then
+  [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="--data-path $DATA/stdlib_text_document"
+  C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node 2"
+  TMO=240 launch c_plain 0,1,2,3 1 29900 -- $C
+  TMO=240 launch c_sdp4bit 0,1,2,3 1 29900 -- $C $QW $QG
+fi
+if has loss200 && [ "$NGPU" -ge 4 ]; then
+  [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="$STDLIB"
+  L="$M1 --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node 2 --global-batch-size 32 --train-iters 200 --log-interval 20 --eval-interval 200 --eval-iters 5"
+  launch l200_plain 0,1,2,3 1 29950 -- $L
+  launch l200_sdp4bit 0,1,2,3 1 29950 -- $L $QW $QG
+fi
+echo "== done $(el)" >> $LOG
+python3 benchmarks/multi_gpu_report.py $R > $OUT/report.md 2>&1; cat $OUT/report.md >> $LOG
