@@ -9,6 +9,9 @@
 #            with the same per-GPU work is the compute-only reference for exposed communication
 #   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between nodes
 #   tp       TP=2 x DP=2 with SP: bf16 vs FP8 tensorwise vs COAT + FP8 optimizer states
+#   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU 3, in the background
+#   build    the CUDA extensions (lane A builds them when tableb runs)
+#   buckets  Table B sockets with both quantized at smaller --ddp-bucket-size (BUCKETS)
 #   corpus   a larger code corpus (the device's site-packages) for the convergence runs
 #   conv     ~125M model, 2000 steps, 2 x 2 layout: plain vs qWD + TLq-HS, validation loss
 #   loss200  1.36B, 2 x 2 layout, 200 steps: plain vs qWD + TLq-HS
@@ -19,8 +22,10 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/runs" /tmp/logs; R=$OUT/runs; LOG=$OUT/log.txt
+# Few files come back from the device: per-run logs and JSON go to $X and are packed into one archive at the end.
+OUT=${OUT:-/tmp/out}; X=$OUT/x; mkdir -p "$X/runs" /tmp/logs; R=$X/runs; LOG=$OUT/log.txt
 SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
+export TORCH_EXTENSIONS_DIR=$HERE/.ext   # a carried .ext from an earlier call skips the 75 s build
 if [ -d "$HERE/.whl/megatron-core" ]; then  # carried wheel: the megatron-core logits test
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/megatron-core/*.whl 2>&1 | tail -1
   export PYTHONPATH=$PWD:/tmp/site; fi
@@ -67,17 +72,26 @@ launch() {
   wait "${pids[@]}"
   { grep -hE "iteration +[0-9]+/|validation loss|rror|Traceback|model-state" /tmp/logs/$name.n*.txt | tail -n 5 | cut -c1-900
     echo "-- end $name $(el)"; } >> $LOG
-  if grep -qE "Traceback|Error" /tmp/logs/$name.n*.txt; then cp /tmp/logs/$name.n*.txt $OUT/; fi
+  if grep -qE "Traceback|Error" /tmp/logs/$name.n*.txt; then cp /tmp/logs/$name.n*.txt $X/; fi
 }
 
 bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, JSON under $OUT
   late $1 && return; echo "== $2 $(el)" >> $LOG
-  CUDA_VISIBLE_DEVICES=$3 timeout ${BENCH_TMO:-150} python3 benchmarks/$2 --out $OUT/$1.json "${@:4}" 2>&1 | grep -v Warning | tail -25 >> $LOG
+  CUDA_VISIBLE_DEVICES=$3 timeout ${BENCH_TMO:-150} python3 benchmarks/$2 --out $X/$1.json "${@:4}" 2>&1 | grep -v Warning | tail -25 >> $LOG
 }
+if has retest; then (  # chosen GPU tests with full tracebacks, one GPU, in the background
+  CUDA_VISIBLE_DEVICES=3 timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=long --timeout 120 \
+    ${RETESTS:-tests/test_fp8_gpu.py} > $X/retests.txt 2>&1
+  { echo "== retests $(el)"; grep -E "passed|failed|FAILED|^E " $X/retests.txt | cut -c1-300 | tail -40; } >> $LOG ) &
+  RETEST_PID=$!
+fi
+if has build; then echo "== build CUDA extensions $(el)" >> $LOG
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+fi
 if has tests4 && [ "$NGPU" -ge 4 ]; then echo "== 4-GPU NCCL tests $(el)" >> $LOG
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 -m gpu \
-    tests/test_sdp4bit_dist.py tests/test_gpu.py -k nccl > $OUT/nccl4_tests.txt 2>&1
-  grep -E "passed|failed|^FAILED|^ERROR" $OUT/nccl4_tests.txt | cut -c1-300 | tail -20 >> $LOG
+    tests/test_sdp4bit_dist.py tests/test_gpu.py -k nccl > $X/nccl4_tests.txt 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" $X/nccl4_tests.txt | cut -c1-300 | tail -20 >> $LOG
 fi
 if has tableb; then
   ( # timing lane, GPUs 0,1; then the compute-only reference on GPU 0
@@ -95,9 +109,9 @@ if has tableb; then
   A=$!
   if [ "$NGPU" -ge 4 ]; then ( # lane B, GPUs 2,3: GPU tests, kernel benchmarks, then the loss runs (NVLink, 100 steps)
     if has tests; then echo "== GPU tests on 2 GPUs $(el)" >> $LOG
-      CUDA_VISIBLE_DEVICES=2,3 timeout ${TEST_TMO:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
-        --timeout ${PER_TEST_TMO:-60} tests/ > $OUT/gputests.txt 2>&1
-      grep -E "passed|failed|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -40 >> $LOG
+      CUDA_VISIBLE_DEVICES=2,3 timeout ${TEST_TMO:-200} python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short \
+        --timeout ${PER_TEST_TMO:-60} ${GPU_TESTS:-tests/} > $X/gputests.txt 2>&1
+      grep -E "passed|failed|FAILED|^ERROR" $X/gputests.txt | cut -c1-300 | tail -40 >> $LOG
     fi
     has sdpbench && bench sdpbench sdp4bit_bench.py 2
     L="--train-iters 100 --log-interval 10 --eval-interval 100 --eval-iters 3"
@@ -125,20 +139,25 @@ if has tp && [ "$NGPU" -ge 4 ]; then
   FP8S="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
   launch tp_bf16 0,1,2,3 1 29800 -- $T
   launch tp_coat_fp8states 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
-  launch tp_tensorwise 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
+  has tp_tensorwise && launch tp_tensorwise 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then
   M2="$M1 $STDLIB $ZERO --global-batch-size 32 $TIMING"
   launch t_plain 0,1,2,3 2 29700 "${INTER[@]}" -- $M2
   launch t_sdp4bit 0,1,2,3 2 29700 "${INTER[@]}" -- $M2 $QW $QG
-  launch t_plain_nvlink 0,1,2,3 1 29700 -- $M2
+  has t_nvlink && launch t_plain_nvlink 0,1,2,3 1 29700 -- $M2
 fi
 if has conv && [ "$NGPU" -ge 4 ]; then
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="--data-path $DATA/stdlib_text_document"
   C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node 2"
-  TMO=240 launch c_plain 0,1,2,3 1 29900 -- $C
-  TMO=240 launch c_sdp4bit 0,1,2,3 1 29900 -- $C $QW $QG
+  TMO=${CONV_TMO:-200} launch c_plain 0,1,2,3 1 29900 -- $C
+  TMO=${CONV_TMO:-200} launch c_sdp4bit 0,1,2,3 1 29900 -- $C $QW $QG
+fi
+if has buckets; then  # Table B sockets, both quantized: smaller buckets leave less communication exposed
+  for b in ${BUCKETS:-20000000 10000000}; do
+    launch b_sockets_both_bucket$b 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW $QG --ddp-bucket-size $b
+  done
 fi
 if has loss200 && [ "$NGPU" -ge 4 ]; then
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="$STDLIB"
@@ -146,5 +165,8 @@ if has loss200 && [ "$NGPU" -ge 4 ]; then
   launch l200_plain 0,1,2,3 1 29950 -- $L
   launch l200_sdp4bit 0,1,2,3 1 29950 -- $L $QW $QG
 fi
+wait ${RETEST_PID:-}
 echo "== done $(el)" >> $LOG
 python3 benchmarks/multi_gpu_report.py $R > $OUT/report.md 2>&1; cat $OUT/report.md >> $LOG
+cp /tmp/logs/*.txt $X/ 2>/dev/null; tar czf $OUT/details.tgz -C $X . && rm -rf $X
+[ -d "$TORCH_EXTENSIONS_DIR" ] && tar czf $OUT/ext.tgz -C "$TORCH_EXTENSIONS_DIR" .
