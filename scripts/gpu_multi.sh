@@ -9,7 +9,7 @@
 #            with the same per-GPU work is the compute-only reference for exposed communication
 #   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between nodes
 #   tp       TP=2 x DP=2 with SP: bf16 vs FP8 tensorwise vs COAT + FP8 optimizer states
-#   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU 3, in the background
+#   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
 #   build    the CUDA extensions (lane A builds them when tableb runs)
 #   buckets  Table B sockets with both quantized at smaller --ddp-bucket-size (BUCKETS)
 #   corpus   a larger code corpus (the device's site-packages) for the convergence runs
@@ -80,7 +80,7 @@ bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, JSON under $OUT
   CUDA_VISIBLE_DEVICES=$3 timeout ${BENCH_TMO:-150} python3 benchmarks/$2 --out $X/$1.json "${@:4}" 2>&1 | grep -v Warning | tail -25 >> $LOG
 }
 if has retest; then (  # chosen GPU tests with full tracebacks, one GPU, in the background
-  CUDA_VISIBLE_DEVICES=3 timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=long --timeout 120 \
+  CUDA_VISIBLE_DEVICES=${RETEST_GPU:-1} timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=long --timeout 120 \
     ${RETESTS:-tests/test_fp8_gpu.py} > $X/retests.txt 2>&1
   { echo "== retests $(el)"; grep -E "passed|failed|FAILED|^E " $X/retests.txt | cut -c1-300 | tail -40; } >> $LOG ) &
   RETEST_PID=$!
@@ -134,12 +134,13 @@ if has corpus; then (
   echo "-- corpus done $(el)" >> $LOG ) &
   CORPUS_PID=$!
 fi
-if has tp && [ "$NGPU" -ge 4 ]; then
+ALL=$(seq -s, 0 $((NGPU - 1)))   # every GPU: TP=2 x DP=2 on four, TP=2 on two
+if has tp && [ "$NGPU" -ge 2 ]; then
   T="$M1 $STDLIB $ZERO --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 16000 $TIMING"
   FP8S="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
-  launch tp_bf16 0,1,2,3 1 29800 -- $T
-  launch tp_coat_fp8states 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
-  has tp_tensorwise && launch tp_tensorwise 0,1,2,3 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
+  launch tp_bf16 $ALL 1 29800 -- $T
+  launch tp_coat_fp8states $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
+  has tp_tensorwise && launch tp_tensorwise $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then
@@ -148,11 +149,11 @@ if has twonode && [ "$NGPU" -ge 4 ]; then
   launch t_sdp4bit 0,1,2,3 2 29700 "${INTER[@]}" -- $M2 $QW $QG
   has t_nvlink && launch t_plain_nvlink 0,1,2,3 1 29700 -- $M2
 fi
-if has conv && [ "$NGPU" -ge 4 ]; then
+if has conv && [ "$NGPU" -ge 2 ]; then  # four GPUs: 2 nodes x 2; two GPUs: 2 one-GPU nodes (one 4-bit level)
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="--data-path $DATA/stdlib_text_document"
-  C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node 2"
-  TMO=${CONV_TMO:-200} launch c_plain 0,1,2,3 1 29900 -- $C
-  TMO=${CONV_TMO:-200} launch c_sdp4bit 0,1,2,3 1 29900 -- $C $QW $QG
+  C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node $((NGPU / 2))"
+  TMO=${CONV_TMO:-200} launch c_plain $ALL 1 29900 -- $C
+  TMO=${CONV_TMO:-200} launch c_sdp4bit $ALL 1 29900 -- $C $QW $QG
 fi
 if has buckets; then  # Table B sockets, both quantized: smaller buckets leave less communication exposed
   for b in ${BUCKETS:-20000000 10000000}; do
