@@ -130,7 +130,7 @@ if has corpus; then (
   echo "== corpus $(el)" >> $LOG; mkdir -p /tmp/code
   timeout 240 python3 tools/preprocess_data.py --input $(python3 -c "import site; print(site.getsitepackages()[0])") \
     --input-format text-files --input-suffix .py --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model \
-    --append-eod --output-prefix $SITE --workers 24 --no-progress-bar 2>&1 | tail -3 >> $LOG
+    --append-eod --output-prefix $SITE --workers 24 --no-progress-bar --skip-bad-lines 2>&1 | tail -3 >> $LOG
   echo "-- corpus done $(el)" >> $LOG ) &
   CORPUS_PID=$!
 fi
@@ -141,6 +141,13 @@ if has tp && [ "$NGPU" -ge 2 ]; then
   launch tp_bf16 $ALL 1 29800 -- $T
   launch tp_coat_fp8states $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
   has tp_tensorwise && launch tp_tensorwise $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
+fi
+if has tpdiag && [ "$NGPU" -ge 2 ]; then  # TP=2 peak memory: compiled vs eager, ZeRO vs not, micro-batch 1
+  D="$M1 $STDLIB --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 16000 --micro-batch-size 1 --global-batch-size 4 --train-iters 6 --log-interval 2 --eval-interval 0 --eval-iters 0"
+  launch tpd_compiled_zero 0,1 1 29800 -- $D $ZERO
+  launch tpd_eager_zero 0,1 1 29800 -- $D $ZERO --no-torch-compile
+  launch tpd_compiled_plain 0,1 1 29800 -- $D
+  launch tpd_compiled_zero_coat_fp8states 0,1 1 29800 -- $D $ZERO --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then

@@ -32,7 +32,7 @@ def parse_args(argv=None):
     g.add_argument("--input-suffix", nargs="*", default=None,
                    help="With directories: only files ending with these suffixes (e.g. .py .txt).")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract (one dataset each).")
-    g.add_argument("--skip-bad-lines", action="store_true", help="Skip malformed lines instead of stopping.")
+    g.add_argument("--skip-bad-lines", action="store_true", help="Skip malformed lines (with text-files: undecodable files) instead of stopping.")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model or HF tokenizer.json / directory.")
