@@ -159,8 +159,8 @@ fi
 if has conv && [ "$NGPU" -ge 2 ]; then  # four GPUs: 2 nodes x 2; two GPUs: 2 one-GPU nodes (one 4-bit level)
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="--data-path $DATA/stdlib_text_document"
   C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node $((NGPU / 2))"
-  TMO=${CONV_TMO:-200} launch c_plain $ALL 1 29900 -- $C
-  TMO=${CONV_TMO:-200} launch c_sdp4bit $ALL 1 29900 -- $C $QW $QG
+  [[ " ${CONV_RUNS:-plain sdp4bit} " == *" plain "* ]] && TMO=${CONV_TMO:-200} launch c_plain $ALL 1 29900 -- $C
+  [[ " ${CONV_RUNS:-plain sdp4bit} " == *" sdp4bit "* ]] && TMO=${CONV_TMO:-200} launch c_sdp4bit $ALL 1 29900 -- $C $QW $QG
 fi
 if has buckets; then  # Table B sockets, both quantized: smaller buckets leave less communication exposed
   for b in ${BUCKETS:-20000000 10000000}; do
