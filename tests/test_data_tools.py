@@ -170,3 +170,21 @@ def test_clear_tool_errors(corpus):
     proc = run_tool("preprocess_data.py", "--input", corpus["jsonl"], "--output-prefix", corpus["tmp"] / "x",
                     "--tokenizer-type", "GPTSentencePieceTokenizer", ok=False)
     assert proc.returncode == 1 and "--tokenizer-model" in proc.stderr
+
+
+def test_undecodable_file_stops_or_is_skipped(tmp_path):
+    """text-files: a file that is not UTF-8 (site-packages holds some) names itself and the flag to
+    pass; with --skip-bad-lines it is left out and the other files are kept."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("1 2 3")  # NullTokenizer: the text is the token ids
+    (src / "b.py").write_bytes(b"4 \xa4 5")
+    (src / "c.py").write_text("6 7")
+    from megacoat.data.preprocessing import BadInputError, expand_inputs, preprocess
+    files = expand_inputs([str(src)], [".py"])
+    with pytest.raises(BadInputError, match=r"(?s)b\.py: not valid UTF-8.*--skip-bad-lines"):
+        preprocess(files, str(tmp_path / "stop"), "NullTokenizer", vocab_size=256, input_format="text-files",
+                   progress=False)
+    result = preprocess(files, str(tmp_path / "skip"), "NullTokenizer", vocab_size=256, input_format="text-files",
+                        skip_bad_lines=True, progress=False)
+    assert result.documents == 2
