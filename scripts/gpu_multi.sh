@@ -1,19 +1,22 @@
 #!/bin/bash
 # Multi-GPU evidence (issue 15) on nvidia-h200-x4, in stages (STAGES=a,b,...), within BUDGET seconds.
+#   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
+#   build    the CUDA extensions (tableb builds them itself, in its timing lane)
 #   tests4   the 4-GPU NCCL tests (SDP4Bit as 2 nodes x 2, ZeRO, TP)
-#   tests, sdpbench, optbench, fp8bench   with tableb, on GPUs 2,3 (lane B): every gpu-marked test
-#            (2 GPUs visible) and the SDP4Bit, FP8-optimizer and FP8 kernel benchmarks
 #   tableb   Table B: ZeRO DP=2 as 2 one-GPU nodes, 1.36B, micro-batch 4, global batch 16, overlap on:
 #            plain vs qWD vs TLq-HS vs both at three link settings (timing lane, GPUs 0,1; 12 steps) and
-#            the same four for 100 steps with validation (loss lane, GPUs 2,3, NVLink); a one-GPU run
-#            with the same per-GPU work is the compute-only reference for exposed communication
-#   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between nodes
-#   tp       TP=2 x DP=2 with SP: bf16 vs FP8 tensorwise vs COAT + FP8 optimizer states
-#   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
-#   build    the CUDA extensions (lane A builds them when tableb runs)
+#            a one-GPU run with the same per-GPU work (the compute-only reference for exposed
+#            communication). With 4 GPUs, lane B on GPUs 2,3 runs stages tests (every gpu-marked test),
+#            sdpbench, the same four configurations for 100 steps with validation (NVLink), optbench, fp8bench
+#   corpus   a larger code corpus (the device's site-packages) for conv and loss200, in the background
+#   tp       TP=2 with SP on every GPU (x DP=2 on four): bf16 vs COAT + FP8 optimizer states
+#            (tp_tensorwise adds FP8 tensorwise)
+#   tpdiag   TP=2, micro-batch 1: peak memory compiled vs eager, ZeRO vs not, COAT + FP8 states
+#   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between (t_nvlink adds
+#            the same run with all four on one node)
+#   conv     ~125M model, 2000 steps: plain vs qWD + TLq-HS (CONV_RUNS), validation loss; 2 nodes x 2 on
+#            four GPUs, 2 one-GPU nodes on two
 #   buckets  Table B sockets with both quantized at smaller --ddp-bucket-size (BUCKETS)
-#   corpus   a larger code corpus (the device's site-packages) for the convergence runs
-#   conv     ~125M model, 2000 steps, 2 x 2 layout: plain vs qWD + TLq-HS, validation loss
 #   loss200  1.36B, 2 x 2 layout, 200 steps: plain vs qWD + TLq-HS
 # Emulated nodes: one torchrun per node, each with its own NCCL_HOSTID, so NCCL treats them as two
 # hosts: it connects ranks of one node over NVLink (P2P) and ranks of different nodes through its
@@ -43,6 +46,7 @@ STDLIB="--data-path $DATA/stdlib_text_document --tokenizer-type SentencePieceTok
 M1="--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 16 --attention-dropout 0 --hidden-dropout 0 --untie-embeddings-and-output-weights --bf16 --make-vocab-size-divisible-by 32000 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 --seed 1234"
 ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 QW="--quantized-weights"; QG="--quantized-gradients --hadamard-transform"
+FP8S="--fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
 NV=(NCCL_P2P_DISABLE=0); PCIE=(NCCL_P2P_DISABLE=1)
 SOCK=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo)
 INTER=(NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo)   # with per-node NCCL_HOSTID: sockets between nodes only
@@ -75,7 +79,10 @@ launch() {
   if grep -qE "Traceback|Error" /tmp/logs/$name.n*.txt; then cp /tmp/logs/$name.n*.txt $X/; fi
 }
 
-bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, JSON under $OUT
+build_ext() { echo "== build CUDA extensions $(el)" >> $LOG
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+}
+bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, its JSON into the archive
   late $1 && return; echo "== $2 $(el)" >> $LOG
   CUDA_VISIBLE_DEVICES=$3 timeout ${BENCH_TMO:-150} python3 benchmarks/$2 --out $X/$1.json "${@:4}" 2>&1 | grep -v Warning | tail -25 >> $LOG
 }
@@ -85,9 +92,7 @@ if has retest; then (  # chosen GPU tests with full tracebacks, one GPU, in the 
   { echo "== retests $(el)"; grep -E "passed|failed|FAILED|^E " $X/retests.txt | cut -c1-300 | tail -40; } >> $LOG ) &
   RETEST_PID=$!
 fi
-if has build; then echo "== build CUDA extensions $(el)" >> $LOG
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
-fi
+has build && build_ext
 if has tests4 && [ "$NGPU" -ge 4 ]; then echo "== 4-GPU NCCL tests $(el)" >> $LOG
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 -m gpu \
     tests/test_sdp4bit_dist.py tests/test_gpu.py -k nccl > $X/nccl4_tests.txt 2>&1
@@ -95,8 +100,7 @@ if has tests4 && [ "$NGPU" -ge 4 ]; then echo "== 4-GPU NCCL tests $(el)" >> $LO
 fi
 if has tableb; then
   ( # timing lane, GPUs 0,1; then the compute-only reference on GPU 0
-    echo "== build CUDA extensions $(el)" >> $LOG
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+    build_ext
     for link in nvlink pcie sockets; do
       case $link in nvlink) E=("${NV[@]}");; pcie) E=("${PCIE[@]}");; sockets) E=("${SOCK[@]}");; esac
       launch b_${link}_plain 0,1 1 29500 "${E[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING
@@ -137,9 +141,8 @@ fi
 ALL=$(seq -s, 0 $((NGPU - 1)))   # every GPU: TP=2 x DP=2 on four, TP=2 on two
 if has tp && [ "$NGPU" -ge 2 ]; then
   T="$M1 $STDLIB $ZERO --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 16000 $TIMING"
-  FP8S="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
   launch tp_bf16 $ALL 1 29800 -- $T
-  launch tp_coat_fp8states $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe coat $FP8S
+  launch tp_coat_fp8states $ALL 1 29800 -- $T $FP8S
   has tp_tensorwise && launch tp_tensorwise $ALL 1 29800 -- $T --fp8-format hybrid --fp8-recipe tensorwise
 fi
 if has tpdiag && [ "$NGPU" -ge 2 ]; then  # TP=2 peak memory: compiled vs eager, ZeRO vs not, micro-batch 1
@@ -147,7 +150,7 @@ if has tpdiag && [ "$NGPU" -ge 2 ]; then  # TP=2 peak memory: compiled vs eager,
   launch tpd_compiled_zero 0,1 1 29800 -- $D $ZERO
   launch tpd_eager_zero 0,1 1 29800 -- $D $ZERO --no-torch-compile
   launch tpd_compiled_plain 0,1 1 29800 -- $D
-  launch tpd_compiled_zero_coat_fp8states 0,1 1 29800 -- $D $ZERO --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  launch tpd_compiled_zero_coat_fp8states 0,1 1 29800 -- $D $ZERO $FP8S
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then
@@ -158,6 +161,7 @@ if has twonode && [ "$NGPU" -ge 4 ]; then
 fi
 if has conv && [ "$NGPU" -ge 2 ]; then  # four GPUs: 2 nodes x 2; two GPUs: 2 one-GPU nodes (one 4-bit level)
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="--data-path $DATA/stdlib_text_document"
+  echo "-- conv corpus: $CD" >> $LOG   # the small default corpus overfits in 2000 steps: say which one ran
   C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node $((NGPU / 2))"
   [[ " ${CONV_RUNS:-plain sdp4bit} " == *" plain "* ]] && TMO=${CONV_TMO:-200} launch c_plain $ALL 1 29900 -- $C
   [[ " ${CONV_RUNS:-plain sdp4bit} " == *" sdp4bit "* ]] && TMO=${CONV_TMO:-200} launch c_sdp4bit $ALL 1 29900 -- $C $QW $QG
@@ -169,6 +173,7 @@ if has buckets; then  # Table B sockets, both quantized: smaller buckets leave l
 fi
 if has loss200 && [ "$NGPU" -ge 4 ]; then
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="$STDLIB"
+  echo "-- loss200 corpus: $CD" >> $LOG
   L="$M1 --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node 2 --global-batch-size 32 --train-iters 200 --log-interval 20 --eval-interval 200 --eval-iters 5"
   launch l200_plain 0,1,2,3 1 29950 -- $L
   launch l200_sdp4bit 0,1,2,3 1 29950 -- $L $QW $QG
