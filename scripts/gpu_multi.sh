@@ -12,6 +12,9 @@
 #   tp       TP=2 with SP on every GPU (x DP=2 on four): bf16 vs COAT + FP8 optimizer states
 #            (tp_tensorwise adds FP8 tensorwise)
 #   tpdiag   TP=2, micro-batch 1: peak memory compiled vs eager, ZeRO vs not, COAT + FP8 states
+#   tpbisect the 1.36B shape with BISECT_LAYERS layers: full gradients of one step (benchmarks/grad_snapshot.py)
+#            at TP=2 eager / compiled / without gradient-accumulation fusion / without SP against TP=1,
+#            and what is alive at the TP=2 micro-batch-4 memory peak (benchmarks/memory_peak.py)
 #   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between (t_nvlink adds
 #            the same run with all four on one node)
 #   conv     ~125M model, 2000 steps: plain vs qWD + TLq-HS (CONV_RUNS), validation loss; 2 nodes x 2 on
@@ -151,6 +154,32 @@ if has tpdiag && [ "$NGPU" -ge 2 ]; then  # TP=2 peak memory: compiled vs eager,
   launch tpd_eager_zero 0,1 1 29800 -- $D $ZERO --no-torch-compile
   launch tpd_compiled_plain 0,1 1 29800 -- $D
   launch tpd_compiled_zero_coat_fp8states 0,1 1 29800 -- $D $ZERO $FP8S
+fi
+if has tpbisect && [ "$NGPU" -ge 2 ]; then
+  # snap NAME GPUS -- flags: one forward/backward, full gradients into $R/NAME.safetensors
+  snap() { local name=$1 gpus=$2; shift 3; late $name && return; echo "== snap $name $* $(el)" >> $LOG
+    CUDA_VISIBLE_DEVICES=$gpus timeout $TMO torchrun --nproc-per-node $(( (${#gpus} + 1) / 2 )) --master-port 29810 \
+      benchmarks/grad_snapshot.py "$@" --out /tmp/snaps/$name.safetensors > /tmp/logs/snap_$name.txt 2>&1
+    grep -hE "grad_snapshot|rror" /tmp/logs/snap_$name.txt | tail -3 | cut -c1-400 >> $LOG; }
+  B="$M1 $STDLIB --num-layers ${BISECT_LAYERS:-4} --micro-batch-size 1 --global-batch-size 1 --make-vocab-size-divisible-by 16000 --train-iters 2 --eval-interval 0 --eval-iters 0"
+  TP2="--tensor-model-parallel-size 2"; mkdir -p /tmp/snaps
+  snap tp1_eager 0 -- $B --no-torch-compile
+  snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
+  snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+  snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
+  snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
+  snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
+  snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
+  snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
+  for r in tp2_eager tp2_compiled tp2_eager_nofusion tp2_eager_nosp tp2_eager_zero; do
+    [ -f /tmp/snaps/$r.safetensors ] && [ -f /tmp/snaps/tp1_eager.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
+      python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 8 >> $LOG 2>&1; }
+  done
+  late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
+    CUDA_VISIBLE_DEVICES=0,1 timeout $TMO torchrun --nproc-per-node 2 --master-port 29811 benchmarks/memory_peak.py \
+      $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4 --train-iters 4 --record-steps 1 \
+      --out $X/tp2_mb4_memory.txt > /tmp/logs/tp2_mb4_memory.txt 2>&1
+    grep -vE "Warning|warn|^ *$" /tmp/logs/tp2_mb4_memory.txt | tail -32 | cut -c1-300 >> $LOG; }
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then
