@@ -164,18 +164,25 @@ if has tpbisect && [ "$NGPU" -ge 2 ]; then
   B="$M1 $STDLIB --num-layers ${BISECT_LAYERS:-4} --micro-batch-size 1 --global-batch-size 1 --make-vocab-size-divisible-by 16000 --train-iters 2 --eval-interval 0 --eval-iters 0"
   TP2="--tensor-model-parallel-size 2"; mkdir -p /tmp/snaps
   snap tp1_eager 0 -- $B --no-torch-compile
-  snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
-  snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
-  snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
-  snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
-  snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
-  snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
-  snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
-  for r in tp2_eager tp2_compiled tp2_eager_nofusion tp2_eager_nosp tp2_eager_zero; do
+  has tpcompile || snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
+  has tpcompile || snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+  has tpcompile || snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
+  has tpcompile || snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
+  has tpcompile || snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
+  has tpcompile || snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
+  has tpcompile || snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
+  if has tpcompile; then  # which compiled path loses the layer gradients: TP=1, TP=2 without fusion, the graphs
+    snap tp1_compiled 0 -- $B --torch-compile
+    snap tp2_compiled_nofusion 0,1 -- $B $TP2 --sequence-parallel --torch-compile --no-gradient-accumulation-fusion
+    snap tp2_compiled_nosp 0,1 -- $B $TP2 --torch-compile
+    TORCH_LOGS=aot_graphs,output_code snap tp2_compiled_graphs 0,1 -- $B $TP2 --sequence-parallel --torch-compile --num-layers 1
+    cp /tmp/logs/snap_tp2_compiled_graphs.txt $X/
+  fi
+  for r in tp1_compiled tp2_compiled_nofusion tp2_compiled_nosp tp2_eager tp2_compiled tp2_eager_nofusion tp2_eager_nosp tp2_eager_zero; do
     [ -f /tmp/snaps/$r.safetensors ] && [ -f /tmp/snaps/tp1_eager.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
       python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 8 >> $LOG 2>&1; }
   done
-  late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
+  has tpcompile || late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
     CUDA_VISIBLE_DEVICES=0,1 timeout $TMO torchrun --nproc-per-node 2 --master-port 29811 benchmarks/memory_peak.py \
       $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4 --train-iters 4 --record-steps 1 \
       --out $X/tp2_mb4_memory.txt > /tmp/logs/tp2_mb4_memory.txt 2>&1
