@@ -8,8 +8,17 @@ writes the fp32 buffer in the GEMM's epilogue (`torch.addmm(..., out_dtype=float
 no bf16 gradient tensor, no rounding of the micro-batch gradient to bf16, no separate add pass.
 Elsewhere (CPU, older torch) the reference runs: the GEMM in the operands' dtype, then one add.
 
-It is a custom op that mutates `main_grad`, so `torch.compile`d layers keep it as one opaque call in
-their backward graph (and the mutation of the optimizer's buffer is not traced away).
+It is a custom op, so `torch.compile`d layers keep it as one opaque call in their backward graph. It returns
+the placeholder weight gradient (uninitialised, the weight's shape and dtype: autograd needs a gradient for the
+weight so that the optimizer's post-accumulate hook runs, and the hook ignores it), and it writes `main_grad`
+and the flag WITHOUT declaring them mutated. Declared mutations of main_grad (views of one gradient bucket)
+made AOTAutograd functionalize them: aliased mutated graph inputs, regenerated from a cloned synthetic base
+in the layer's forward and copied back after its backward. On the H200 at TP=2 the compiled layers' gradients
+then never reached the buffer (benchmarks/grad_snapshot.py: relative error 1.0 against eager for every layer
+weight) and micro-batch 4 failed inside that clone kernel. An undeclared write is safe here: no compiled graph
+reads main_grad, the op cannot be dropped (its output is the weight's gradient), and it runs before the hook
+that reads the buffer.
+The FP8 linear's weight-gradient op (precision/linear.py) follows the same rule.
 """
 from __future__ import annotations
 
@@ -59,9 +68,13 @@ def wgrad_accumulate_fused(main_grad: torch.Tensor, grad_output: torch.Tensor, i
     return True
 
 
-@torch.library.custom_op("megacoat::wgrad_accumulate_", mutates_args=("main_grad", "overwrite"))
-def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
-                      overwrite: torch.Tensor) -> None:
+def placeholder_grad(main_grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient autograd receives when the real one went into main_grad (never read)."""
+    return torch.empty(main_grad.shape, dtype=dtype, device=main_grad.device)
+
+
+def _wgrad_accumulate_impl(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
+                           overwrite: torch.Tensor) -> None:
     require_main_grad_storage(main_grad)
     first = bool(overwrite.item())  # a CPU flag: no device sync
     if main_grad.dtype == grad_output.dtype or not wgrad_accumulate_fused(main_grad, grad_output, inp, first):
@@ -69,6 +82,15 @@ def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: t
     overwrite.fill_(False)
 
 
-@wgrad_accumulate_.register_fake
-def _(main_grad, grad_output, inp, overwrite) -> None:
-    return None
+@torch.library.custom_op("megacoat::wgrad_accumulate", mutates_args=())
+def wgrad_accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor,
+                     overwrite: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """main_grad (+)= grad_output^T @ inp (the flag says which, and is cleared); returns the placeholder
+    gradient of the weight. Writes main_grad and the flag undeclared (module doc)."""
+    _wgrad_accumulate_impl(main_grad, grad_output, inp, overwrite)
+    return placeholder_grad(main_grad, weight_dtype)
+
+
+@wgrad_accumulate.register_fake
+def _(main_grad, grad_output, inp, overwrite, weight_dtype) -> torch.Tensor:
+    return placeholder_grad(main_grad, weight_dtype)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.wgrad import wgrad_accumulate_
+from ..kernels.wgrad import wgrad_accumulate
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region)
@@ -88,9 +88,9 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
-        wgrad_accumulate_(ctx.main_grad, grad_output, x, ctx.overwrite)
+        placeholder = wgrad_accumulate(ctx.main_grad, grad_output, x, ctx.overwrite, weight.dtype)
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_input, torch.empty_like(weight), grad_bias, None, None
+        return grad_input, placeholder, grad_bias, None, None
 
 
 def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

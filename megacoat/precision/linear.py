@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kernels.wgrad import require_main_grad_storage
+from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import group_size
 from . import fp8
 from .recipe import Fp8Recipe
@@ -133,20 +133,27 @@ def _scaled_mm_out_probe(device_type: str, index: int) -> bool:
         return False
 
 
-@torch.library.custom_op("megacoat::fp8_wgrad_", mutates_args=("main_grad", "overwrite"))
+@torch.library.custom_op("megacoat::fp8_wgrad", mutates_args=())
 def _fp8_wgrad_op(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
-                  overwrite: torch.Tensor, hw: bool) -> None:
+                  overwrite: torch.Tensor, hw: bool, weight_dtype: torch.dtype) -> torch.Tensor:
+    """Writes main_grad and the flag undeclared and returns the placeholder weight gradient: declared
+    mutations of bucket views break compiled layers (kernels/wgrad.py explains)."""
     _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw)
-
-
-def fp8_wgrad_(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool) -> None:
-    """Eager: the implementation (no custom-op dispatch cost); compiled: the opaque op."""
-    (_fp8_wgrad_op if fp8.is_compiling() else _fp8_wgrad_impl)(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+    return placeholder_grad(main_grad, weight_dtype)
 
 
 @_fp8_wgrad_op.register_fake
-def _(main_grad, gqt, sg, xqt, sx, overwrite, hw) -> None:
-    return None
+def _(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype) -> torch.Tensor:
+    return placeholder_grad(main_grad, weight_dtype)
+
+
+def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: torch.dtype) -> torch.Tensor:
+    """main_grad (+)= the FP8 weight gradient; returns the placeholder gradient of the weight. Eager: the
+    implementation (no custom-op dispatch cost); compiled: the opaque op."""
+    if fp8.is_compiling():
+        return _fp8_wgrad_op(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype)
+    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+    return placeholder_grad(main_grad, weight_dtype)
 
 
 # ----------------------------------------------------------------------------- weight cache
@@ -271,8 +278,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             _, xqt, _ = fp8.cast_tensorwise(x_saved, x_amax, opts.fwd_fmt, True)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
-            fp8_wgrad_(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm)
-            dw = torch.empty(w_shape, dtype=w_dtype, device=g.device)  # placeholder: the hook ignores it
+            dw = fp8_wgrad(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm, w_dtype)  # placeholder
         else:
             dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm).view(w_shape)
         db = g2.sum(0) if ctx.has_bias else None
