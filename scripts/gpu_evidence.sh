@@ -50,7 +50,8 @@ done
 if has wgrad; then echo "== fused wgrad GEMM check $(el)" | tee -a $LOG
 python3 - <<'PY' 2>&1 | tee -a $LOG
 import torch, time
-from megacoat.kernels.wgrad import wgrad_accumulate_, wgrad_accumulate_reference, _FusedSupport
+from megacoat.kernels.wgrad import wgrad_accumulate, wgrad_accumulate_reference, _FusedSupport
+wgrad_accumulate_ = lambda m, g, x, flag: wgrad_accumulate(m, g, x, flag, g.dtype)
 for (n, o, i) in [(8192, 2048, 5632), (8192, 11264, 2048), (4096, 4096, 11008)]:
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16); x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
     base = torch.randn(o, i, device="cuda")
