@@ -25,11 +25,13 @@ def small_model_config(**kw) -> ModelConfig:
     return m
 
 
-def build(m: ModelConfig, ctx: ParallelContext, sp: bool, seed: int = 11, lr: float = 1e-2, zero=None):
+def build(m: ModelConfig, ctx: ParallelContext, sp: bool, seed: int = 11, lr: float = 1e-2, zero=None,
+          dtype: torch.dtype = torch.float32, compile_layers: bool = False):
     """Model + optimizer; `zero` (a ZeroOptions) selects the distributed optimizer."""
     rng = seed_everything(seed, ctx.tp_rank, ctx.device)
-    lc = LayerContext(ctx.tp_group, sp, rng, torch.float32, ctx.device, seed)
-    model = GPTModel(m, lc, VOCAB, padded_vocab_size(VOCAB, m.make_vocab_size_divisible_by, ctx.tp_size))
+    lc = LayerContext(ctx.tp_group, sp, rng, dtype, ctx.device, seed)
+    model = GPTModel(m, lc, VOCAB, padded_vocab_size(VOCAB, m.make_vocab_size_divisible_by, ctx.tp_size),
+                     compile_layers=compile_layers)
     # adam_eps large enough that near-zero gradients (pure round-off) are not blown up to full
     # lr-sized updates of random sign: the test checks parallel equivalence, not Adam at eps 1e-8.
     ocfg = OptimizerConfig(lr=lr, clip_grad=1.0, weight_decay=0.1, adam_eps=1e-5)
