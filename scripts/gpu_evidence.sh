@@ -7,6 +7,8 @@
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10)
 #   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
+#   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
+#             eager, and TP=2 as two processes on this one GPU over gloo, compiled and eager
 # Runs from a clean export of a commit (SRC, default .), writes under $OUT.
 # Usage: SRC=.snap STAGES=... bash scripts/gpu_evidence.sh
 set -u
@@ -35,6 +37,19 @@ peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee 
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
+fi
+if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
+  S="$C --num-layers 2 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 2"
+  for v in "tp1_eager 1 --no-torch-compile" "tp1_compiled 1 --torch-compile" \
+           "tp2gloo_eager 2 --no-torch-compile --tensor-model-parallel-size 2 --sequence-parallel --distributed-backend gloo" \
+           "tp2gloo_compiled 2 --torch-compile --tensor-model-parallel-size 2 --sequence-parallel --distributed-backend gloo"; do
+    set -- $v; name=$1; n=$2; shift 2
+    timeout 150 torchrun --nproc-per-node $n --master-port 29830 benchmarks/grad_snapshot.py $S "$@" --out /tmp/$name.safetensors > /tmp/snap_$name.txt 2>&1
+    grep -hE "grad_snapshot|Error" /tmp/snap_$name.txt | tail -2 | cut -c1-300 | tee -a $LOG
+  done
+  for name in tp1_compiled tp2gloo_eager tp2gloo_compiled; do
+    [ -f /tmp/$name.safetensors ] && python3 benchmarks/grad_snapshot.py --compare /tmp/$name.safetensors /tmp/tp1_eager.safetensors --top 5 2>&1 | tee -a $LOG
+  done
 fi
 if has gputests && ! late gputests; then echo "== GPU tests $(el)" | tee -a $LOG
   timeout ${TEST_TMO:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --timeout ${PER_TEST_TMO:-30} -k "not nccl" ${GPU_TESTS:-tests/} > $OUT/gputests.txt 2>&1
