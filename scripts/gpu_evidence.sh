@@ -106,7 +106,12 @@ if has coat1; then
   mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
   mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
-  [ -d "$HERE/.whl" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/torchao*/*.whl 2>&1 | tail -1
+  for v in 0.17.0 0.16.0; do  # the newest carried torchao whose float8 imports with this torch
+    [ -d "$HERE/.whl/torchao$v" ] || continue
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/torchao$v/*.whl 2>&1 | tail -1
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import torchao.float8" 2>/dev/null && { echo "torchao $v" | tee -a $LOG; break; }
+    rm -rf /tmp/site
+  done
   PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
 fi
 if has coat7; then
