@@ -26,6 +26,10 @@ TLQ_HS = dict(quantized_gradients=True, hadamard_transform=True, gradient_alltoa
 VARIANTS = {"plain": None, "qwd": QWD, "tlq_hs": TLQ_HS, "both": {**QWD, **TLQ_HS},
             "qwd_directly": dict(QWD, quantize_weights_directly=True),
             "int4_both_levels": dict(TLQ_HS, gradient_quantization_bits_intra=4)}
+# COAT's FP8 optimizer states (E4M3 moments, groups of 128 with range expansion) under the same comm variants
+FP8_STATES = dict(use_precision_aware_optimizer=True, exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8")
+VARIANTS.update({"plain_fp8_states": None, "both_fp8_states": {**QWD, **TLQ_HS}})
+OPT_VARIANTS = {"plain_fp8_states": FP8_STATES, "both_fp8_states": FP8_STATES}
 
 
 def _train(rank, world, tp, pp, rpn, names, steps, out_path):
@@ -38,7 +42,7 @@ def _train(rank, world, tp, pp, rpn, names, steps, out_path):
         lc = LayerContext(ctx.tp_group, False, rng, torch.float32, ctx.device, 11)
         model, chunks = build_model_chunks(m, ParallelConfig(pipeline_model_parallel_size=pp), lc, ctx, VOCAB,
                                            padded_vocab_size(VOCAB, m.make_vocab_size_divisible_by, tp))
-        ocfg = OptimizerConfig(lr=3e-3, clip_grad=1.0, weight_decay=0.1, adam_eps=1e-5)
+        ocfg = OptimizerConfig(lr=3e-3, clip_grad=1.0, weight_decay=0.1, adam_eps=1e-5, **OPT_VARIANTS.get(name, {}))
         stats = CommStats()
         comm = SDP4BitComm(CommConfig(**VARIANTS[name]), ctx, stats, seed=3) if VARIANTS[name] else None
         opt = DistributedOptimizer(model, ocfg, ctx, ZeroOptions(bucket_size=20000, overlap_grad_reduce=True,
@@ -87,7 +91,7 @@ def _gaps(path):
 def test_small_gpt_tracks_plain_2x2(tmp_path):
     """4 ranks as 2 nodes x 2: both SDP4Bit parts on track; the ablations clearly worse."""
     out = tmp_path / "losses.json"
-    run_distributed(_train, 4, 1, 1, 2, list(VARIANTS), 12, str(out))
+    run_distributed(_train, 4, 1, 1, 2, [k for k in VARIANTS if k not in OPT_VARIANTS], 12, str(out))
     losses, gap = _gaps(out)
     print("loss gaps vs plain:", gap, "plain losses:", losses["plain"])
     # measured (CPU, 12 steps, plain loss 5.33 -> 4.12), max |loss - plain| over the steps: qwd 0.0005,
@@ -106,3 +110,15 @@ def test_tp2_dp2_and_pp2_dp2(tmp_path):
         _, gap = _gaps(out)
         print(f"tp{tp} pp{pp} gaps:", gap)
         assert gap["both"] < 0.03, (tp, pp, gap)  # measured: TP2xDP2 0.012, PP2xDP2 0.002
+
+
+def test_sdp4bit_with_fp8_optimizer_states_2x2(tmp_path):
+    """qWD + TLq-HS over ZeRO shards whose Adam moments are FP8 (groups of 128 never straddle a shard):
+    DP replicas stay bit-identical (checked in _train) and the run tracks the same optimizer without SDP4Bit."""
+    out = tmp_path / "fp8_states.json"
+    run_distributed(_train, 4, 1, 1, 2, ["plain", "plain_fp8_states", "both_fp8_states"], 12, str(out))
+    losses, gap = _gaps(out)
+    print("fp8-state gaps vs plain:", gap)
+    assert losses["both_fp8_states"][-1] < losses["both_fp8_states"][0] - 0.2, losses["both_fp8_states"]
+    diff = max(abs(a - b) for a, b in zip(losses["both_fp8_states"], losses["plain_fp8_states"]))
+    assert diff < 0.03 and gap["plain_fp8_states"] < 0.03, (diff, gap)
