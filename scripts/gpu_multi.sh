@@ -15,6 +15,8 @@
 #   tpbisect the 1.36B shape with BISECT_LAYERS layers: full gradients of one step (benchmarks/grad_snapshot.py)
 #            at TP=2 eager / compiled / without gradient-accumulation fusion / without SP against TP=1,
 #            and what is alive at the TP=2 micro-batch-4 memory peak (benchmarks/memory_peak.py)
+#   tpverify after the fix: TP=2 compiled (micro-batches 1 and 4) against TP=1 eager gradient by gradient,
+#            and the NCCL tests of tests/test_gpu.py (TP=2 compiled bf16 among them)
 #   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between (t_nvlink adds
 #            the same run with all four on one node)
 #   conv     ~125M model, 2000 steps: plain vs qWD + TLq-HS (CONV_RUNS), validation loss; 2 nodes x 2 on
@@ -164,13 +166,25 @@ if has tpbisect && [ "$NGPU" -ge 2 ]; then
   B="$M1 $STDLIB --num-layers ${BISECT_LAYERS:-4} --micro-batch-size 1 --global-batch-size 1 --make-vocab-size-divisible-by 16000 --train-iters 2 --eval-interval 0 --eval-iters 0"
   TP2="--tensor-model-parallel-size 2"; mkdir -p /tmp/snaps
   snap tp1_eager 0 -- $B --no-torch-compile
-  has tpcompile || snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
-  has tpcompile || snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
-  has tpcompile || snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
-  has tpcompile || snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
-  has tpcompile || snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
-  has tpcompile || snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
-  has tpcompile || snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
+  if has tpverify; then
+    snap tp2_compiled_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+    snap tp2_compiled_zero_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile $ZERO
+    snap tp2_compiled_mb4_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
+    for r in tp2_compiled_fixed tp2_compiled_zero_fixed; do
+      [ -f /tmp/snaps/$r.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
+        python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 5 >> $LOG 2>&1; }
+    done
+    late nccltests || { echo "== NCCL tests $(el)" >> $LOG
+      timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 120 tests/test_gpu.py -k nccl > $X/nccl_tests.txt 2>&1
+      grep -E "PASSED|FAILED|passed|failed|^E " $X/nccl_tests.txt | cut -c1-300 | tail -20 >> $LOG; }
+  fi
+  has tpcompile || has tpverify || snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
+  has tpcompile || has tpverify || snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+  has tpcompile || has tpverify || snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
+  has tpcompile || has tpverify || snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
+  has tpcompile || has tpverify || snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
+  has tpcompile || has tpverify || snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
+  has tpcompile || has tpverify || snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
   if has tpcompile; then  # which compiled path loses the layer gradients: TP=1, TP=2 without fusion, the graphs
     snap tp1_compiled 0 -- $B --torch-compile
     snap tp2_compiled_nofusion 0,1 -- $B $TP2 --sequence-parallel --torch-compile --no-gradient-accumulation-fusion
@@ -182,7 +196,7 @@ if has tpbisect && [ "$NGPU" -ge 2 ]; then
     [ -f /tmp/snaps/$r.safetensors ] && [ -f /tmp/snaps/tp1_eager.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
       python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 8 >> $LOG 2>&1; }
   done
-  has tpcompile || late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
+  has tpcompile || has tpverify || late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
     CUDA_VISIBLE_DEVICES=0,1 timeout $TMO torchrun --nproc-per-node 2 --master-port 29811 benchmarks/memory_peak.py \
       $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4 --train-iters 4 --record-steps 1 \
       --out $X/tp2_mb4_memory.txt > /tmp/logs/tp2_mb4_memory.txt 2>&1
