@@ -3,11 +3,14 @@
     python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
-(or CPU ops) by total time, grouped into matmul / attention / optimizer / other.
+(or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
+kernels add up to much less than its wall time is waiting on the host (launch overhead, syncs).
 """
 import sys
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from megacoat.config import parse_args
@@ -27,13 +30,24 @@ def main():
     for _ in range(5):
         tr.train_step(tr._next_micro_batches(it))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize()
     with profile(activities=acts) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             tr.train_step(tr._next_micro_batches(it))
         if tr.device.type == "cuda":
             torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
     key = "self_cuda_time_total" if tr.device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+    averages = prof.key_averages()
+    print(averages.table(sort_by=key, row_limit=30, max_name_column_width=70))
+    if tr.device.type == "cuda":
+        # Kernels only (device-type events, as the table's footer counts them): ops carry their kernels' time too.
+        busy = sum(e.self_device_time_total for e in averages
+                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / steps  # us -> ms
+        print(f"per step: wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms ({100 * busy / (wall * 1e3):.0f}% busy; "
+              f"profiler overhead included in the wall time)")
     tr.close()
 
 

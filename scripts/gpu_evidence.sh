@@ -5,6 +5,7 @@
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
+#   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10)
 #   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
 #   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
@@ -123,6 +124,11 @@ if has states; then
 fi
 if has profile && ! late profile; then echo "== profile 1.36B compiled $(el)" | tee -a $LOG
   timeout 150 python3 benchmarks/profile_step.py $C $M1 --train-iters 20 --log-interval 100 --profile-steps 3 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -40 > $OUT/profile_1b.txt
+fi
+if has profile_fp8 && ! late profile_fp8; then echo "== profile 1.36B compiled FP8 ${PROFILE_RECIPE:-tensorwise} $(el)" | tee -a $LOG
+  timeout 150 python3 benchmarks/profile_step.py $C $M1 --fp8-format hybrid --fp8-recipe ${PROFILE_RECIPE:-tensorwise} --train-iters 20 \
+    --log-interval 100 --profile-steps 3 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -40 > $OUT/profile_1b_fp8.txt
+  tail -2 $OUT/profile_1b_fp8.txt | tee -a $LOG
 fi
 if has before && ! late before && [ -d "$HERE/.before" ]; then echo "== BEFORE (previous commit) memory breakdown 7B $(el)" | tee -a $LOG
   cp benchmarks/memory_peak.py "$HERE/.before/benchmarks/"; cd "$HERE/.before"; export PYTHONPATH=$PWD
