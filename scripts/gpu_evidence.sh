@@ -18,7 +18,6 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache   # later runs of the same sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; J=$OUT/results.jsonl
 SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
 export TORCH_EXTENSIONS_DIR=$HERE/.ext   # a carried .ext from an earlier call skips the 75 s build
-export TORCH_EXTENSIONS_DIR=$HERE/.ext   # a carried .ext from an earlier call skips the 75 s build
 STAGES=${STAGES:-wgrad,small,big,mem,profile,eager}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 LOG=$OUT/log.txt
