@@ -95,7 +95,7 @@ fi
 if has big; then
   mc b7_compiled 12 $M7
   [ "${SKIP_PEER7:-0}" = 1 ] || peer p7_compiled --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 --compile --iters 6 --warmup 5
-  mc b7_bf16grad 12 $M7 --grad-reduce-in-bf16
+  [ "${SKIP_BF16GRAD7:-0}" = 1 ] || mc b7_bf16grad 12 $M7 --grad-reduce-in-bf16
 fi
 if has eager; then
   mc b1_eager 15 $M1 --no-torch-compile
