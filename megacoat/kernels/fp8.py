@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_available
+from . import TraceableKernels, triton_available
 
 # Kept here (the lower layer) so that precision/fp8.py and these launchers share one definition.
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -30,7 +30,7 @@ def available() -> bool:
 
 def _k():
     from .triton import fp8_quant
-    return fp8_quant
+    return TraceableKernels(fp8_quant)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

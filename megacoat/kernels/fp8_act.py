@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import TraceableKernels
 from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, triton_cdiv
 
 SAVE = "e4m3"
@@ -18,7 +19,7 @@ TILES = {"elementwise": (16, 16, 4), "norm_elems_per_program": 4096}
 
 def _k():
     from .triton import fp8_act
-    return fp8_act
+    return TraceableKernels(fp8_act)
 
 
 def _pow2(n: int) -> int:

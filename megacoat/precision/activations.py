@@ -166,7 +166,7 @@ def _norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: to
     return norm_fwd_reference(x, residual, weight, bias, eps, rms)
 
 
-@torch.library.custom_op("megacoat::fp8_norm_fwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
                  eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
@@ -194,7 +194,7 @@ def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: t
     return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms)
 
 
-@torch.library.custom_op("megacoat::fp8_norm_bwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
                  weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms)
@@ -216,7 +216,7 @@ def _swiglu_fwd_impl(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch
     return swiglu_fwd_reference(h)
 
 
-@torch.library.custom_op("megacoat::fp8_swiglu_fwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_swiglu_fwd", mutates_args=())
 def _swiglu_fwd_op(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _swiglu_fwd_impl(h)
 
@@ -241,7 +241,7 @@ def _swiglu_bwd_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> to
     return swiglu_bwd_reference(dp, hq, hs)
 
 
-@torch.library.custom_op("megacoat::fp8_swiglu_bwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_swiglu_bwd", mutates_args=())
 def _swiglu_bwd_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
     return _swiglu_bwd_impl(dp, hq, hs)
 
@@ -263,7 +263,7 @@ def _act_fwd_impl(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tenso
     return act_fwd_reference(h, kind)
 
 
-@torch.library.custom_op("megacoat::fp8_act_fwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_act_fwd", mutates_args=())
 def _act_fwd_op(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _act_fwd_impl(h, kind)
 
@@ -287,7 +287,7 @@ def _act_bwd_impl(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: st
     return act_bwd_reference(dy, hq, hs, kind)
 
 
-@torch.library.custom_op("megacoat::fp8_act_bwd", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_act_bwd", mutates_args=())
 def _act_bwd_op(dy: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, kind: str) -> torch.Tensor:
     return _act_bwd_impl(dy, hq, hs, kind)
 

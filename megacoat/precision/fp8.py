@@ -163,7 +163,7 @@ def _dequantize_1x16_impl(q, scales, dtype):
     return dequantize_1x16_reference(q, scales, dtype)
 
 
-@torch.library.custom_op("megacoat::fp8_amax", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_amax", mutates_args=())
 def _amax_op(x: torch.Tensor) -> torch.Tensor:
     return _amax_impl(x)
 
@@ -173,7 +173,7 @@ def _(x):
     return x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("megacoat::fp8_cast_tensorwise", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_cast_tensorwise", mutates_args=())
 def _cast_op(x: torch.Tensor, amax: torch.Tensor, fmt: str,
              transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _cast_impl(x, amax, fmt, transpose)
@@ -187,7 +187,7 @@ def _(x, amax, fmt, transpose):
     return q, qt, x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("megacoat::fp8_quantize_1x16", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_quantize_1x16", mutates_args=())
 def _quantize_1x16_op(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
     return _quantize_1x16_impl(x, fmt)
 
@@ -198,7 +198,7 @@ def _(x, fmt):
             x.new_empty((*x.shape[:-1], num_groups(x.shape[-1])), dtype=torch.bfloat16))
 
 
-@torch.library.custom_op("megacoat::fp8_dequantize_1x16", mutates_args=())
+@torch.library.triton_op("megacoat::fp8_dequantize_1x16", mutates_args=())
 def _dequantize_1x16_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _dequantize_1x16_impl(q, scales, dtype)
 
