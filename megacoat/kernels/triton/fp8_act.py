@@ -54,7 +54,8 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
         c = tl.where(mask, sf - mean[:, None, None], 0.0)
         tl.store(mean_ptr + rows, mean, mask=rmask)
     var = tl.sum(tl.sum(c * c, axis=2), axis=1) / K
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    # eps arrives as fp64 when inductor launches the kernel (a Python float): add it in fp32, as torch does.
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + tl.cast(eps, tl.float32)))
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
     cmask = cols < K
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
