@@ -141,21 +141,6 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
             _record(results, name, _bench(run), nbytes, {"what": what, "tile": default[0], "warps": default[1]})
         _safe(results, name, one)
 
-    def rotating():
-        """The Hadamard kernels with the constant-geometry transform (K.HADAMARD_ROTATING), same tiles."""
-        before = K.HADAMARD_ROTATING
-        try:
-            K.HADAMARD_ROTATING = not before
-            for name in ("tlq_encode_hadamard_int8", "tlq_reduce_decode_inverse_hadamard"):
-                if name in cases:
-                    run, nbytes, what, _ = cases[name]
-                    run()
-                    _record(results, f"{name}_{'rotating' if K.HADAMARD_ROTATING else 'butterfly'}", _bench(run),
-                            nbytes, {"what": what + " (the other Hadamard form)"})
-        finally:
-            K.HADAMARD_ROTATING = before
-    _safe(results, "hadamard_form", rotating)
-
     def sweep():
         """Other (elements per program, warps): informs the default (launchers read K.TILE/K.WARPS)."""
         t0, table = time.time(), {}

@@ -19,9 +19,6 @@ MIN_AMAX = 2.0 ** -96
 # (8 warps: 32 elements per thread); a tile is [TILE / C, C] with C the group size.
 TILE = 8192
 WARPS = 8
-# The 32-point Hadamard in constant geometry (one permute per butterfly stage instead of two; the
-# same arithmetic, bit-identical): benchmarks/sdp4bit_bench.py measures both forms.
-HADAMARD_ROTATING = False
 _OPTS = dict(enable_fp_fusion=False)  # no FMA contraction: bit-identical to the references
 
 
@@ -71,8 +68,7 @@ def encode_partitioned(src, out, shard_size, slice_off, slice_len, ndest, nblock
     r = _rows(group)
     _k().encode_partitioned_kernel[(_cdiv(slice_len // group, r), nblocks, ndest)](
         src, _check_msg(out), shard_size, slice_off, slice_len, ndest, out.shape[-1], key[0], key[1],
-        BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), ROTATING=HADAMARD_ROTATING,
-        num_warps=WARPS, **_OPTS)
+        BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
 
 
 def reduce_requantize(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
@@ -87,8 +83,8 @@ def reduce_decode(msgs, out, n, bits, group, hadamard, scale):
     r = _rows(group)
     _k().reduce_decode_kernel[(_cdiv(n // group, r),)](
         _check_msg(msgs), out, msgs.shape[0], n, msgs.shape[-1], float(scale), BITS=bits, G=group, R=r,
-        HADAMARD=bool(hadamard), OUT_BF16=_is_bf16(out), HW_BF16=_hw_bf16(), PACK=_pack(out),
-        ROTATING=HADAMARD_ROTATING, num_warps=WARPS, **_OPTS)
+        HADAMARD=bool(hadamard), OUT_BF16=_is_bf16(out), HW_BF16=_hw_bf16(), PACK=_pack(out), num_warps=WARPS,
+        **_OPTS)
 
 
 def encode_delta(master, weights, out, bits, group, key, directly):

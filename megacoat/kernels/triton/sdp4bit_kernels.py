@@ -192,32 +192,9 @@ def fwht32(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _rotate_stage(x, ROWS: tl.constexpr):
-    """One constant-geometry stage: pairs of adjacent elements (2j, 2j+1) -> sum to j, difference to
-    j + 16. The index bits rotate right, so the next stage pairs the next bit: after five stages every
-    bit was paired once, in the order 1, 2, 4, 8, 16, and the indices are back in place."""
-    a, b = tl.split(tl.reshape(x, (ROWS, 16, 2)))
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, 32))
-
-
-@triton.jit
-def fwht32_rotating(x, ROWS: tl.constexpr):
-    """fwht32 computed in constant geometry: the same additions on the same operands in the same order
-    (bit-identical), one permute per stage instead of two."""
-    x = _rotate_stage(x, ROWS)
-    x = _rotate_stage(x, ROWS)
-    x = _rotate_stage(x, ROWS)
-    x = _rotate_stage(x, ROWS)
-    return _rotate_stage(x, ROWS)
-
-
-@triton.jit
-def hadamard_tile(x, R: tl.constexpr, C: tl.constexpr, ROTATING: tl.constexpr = False):
+def hadamard_tile(x, R: tl.constexpr, C: tl.constexpr):
     """Hadamard of every 32 consecutive elements of a [R, C] tile (C % 32 == 0)."""
-    if ROTATING:
-        y = fwht32_rotating(tl.reshape(x, (R * C // 32, 32)), R * C // 32)
-    else:
-        y = fwht32(tl.reshape(x, (R * C // 32, 32)), R * C // 32)
+    y = fwht32(tl.reshape(x, (R * C // 32, 32)), R * C // 32)
     return tl.reshape(y, (R, C))
 
 
@@ -240,7 +217,7 @@ def _f32(msg_ptr):
 @triton.jit
 def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len, ndest, msg_bytes, k1, k2,
                               BITS: tl.constexpr, G: tl.constexpr, R: tl.constexpr, HADAMARD: tl.constexpr,
-                              PACK: tl.constexpr, ROTATING: tl.constexpr = False):
+                              PACK: tl.constexpr):
     """Partition-ordered (optionally Hadamard-transformed) quantize + pack of one bucket slice.
     Grid (tiles of R groups per slice, nblocks, ndest): tile t of block b for destination d."""
     t = tl.program_id(0)
@@ -254,7 +231,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
     x = tl.load(src_ptr + src0 + (rows * G)[:, None] + tl.arange(0, G)[None, :], mask=rmask[:, None],
                 other=0.0).to(tl.float32)
     if HADAMARD:
-        x = hadamard_tile(x, R, G, ROTATING)
+        x = hadamard_tile(x, R, G)
     r = rounding_offsets(d * n + pos0, k1, k2, R, G)  # stream index: position in partition order
     c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1)
     msg = out_ptr + d.to(tl.int64) * msg_bytes
@@ -288,8 +265,7 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
 
 @triton.jit
 def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-                         HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, HW_BF16: tl.constexpr, PACK: tl.constexpr,
-                         ROTATING: tl.constexpr = False):
+                         HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, HW_BF16: tl.constexpr, PACK: tl.constexpr):
     """out = (inverse-Hadamard of) the fp32 sum of nsrc dequantized messages, times `scale`."""
     t = tl.program_id(0)
     rows = t * R + tl.arange(0, R)
@@ -300,7 +276,7 @@ def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexp
         in_ptr += msg
         acc = acc + load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS), e0, rmask, R, G, BITS, G, PACK)
     if HADAMARD:
-        acc = hadamard_tile(acc, R, G, ROTATING)
+        acc = hadamard_tile(acc, R, G)
     y = acc * scale
     if OUT_BF16:
         y = round_bf16(y, HW_BF16)
