@@ -118,8 +118,9 @@ def test_preprocess_train_generate_with_gpt2bpe(gpt2_files, tmp_path, capsys):
                         "100000"]) == 2
 
 
-def test_huggingface_tokenizer_directory_in_training(tmp_path):
-    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: a local tokenizer.json directory."""
+def test_huggingface_tokenizer_directory_in_training(tmp_path, capsys):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: a local tokenizer.json directory, in
+    preprocessing, training and tools/generate.py (given on the command line and from the checkpoint's copy)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -137,7 +138,15 @@ def test_huggingface_tokenizer_directory_in_training(tmp_path):
     prefix = str(tmp_path / "hfdata")
     assert pre["main"](["--input", str(tmp_path / "c.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
                         "HuggingFaceTokenizer", "--tokenizer-model", str(d), "--append-eod", "--no-progress-bar"]) == 0
-    losses, trainer = train(["--train-iters", "1", "--data-path", prefix + "_text_document",
-                             "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "HuggingFaceTokenizer",
-                             "--tokenizer-model", str(d)])
+    save = str(tmp_path / "ckpt")
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)]
+    losses, trainer = train(["--train-iters", "1", "--save", save, "--data-path", prefix + "_text_document",
+                             "--data-cache-path", str(tmp_path / "cache")] + flags)
     assert len(losses) == 1 and trainer.model.vocab_size == tok.get_vocab_size()
+    gen = runpy.run_path(os.path.join(ROOT, "tools", "generate.py"), run_name="gen")
+    outs = []
+    for extra in ([], flags):
+        capsys.readouterr()
+        assert gen["main"](["--load", save, "--prompt", "alpha beta", "--max-new-tokens", "3", "--greedy"] + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].startswith("alpha beta")
