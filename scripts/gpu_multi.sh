@@ -158,7 +158,7 @@ if has tpdiag && [ "$NGPU" -ge 2 ]; then  # TP=2 peak memory: compiled vs eager,
   launch tpd_compiled_zero_coat_fp8states 0,1 1 29800 -- $D $ZERO $FP8S
 fi
 if has tpbisect && [ "$NGPU" -ge 2 ]; then
-  # snap NAME GPUS -- flags: one forward/backward, full gradients into $R/NAME.safetensors
+  # snap NAME GPUS -- flags: one forward/backward, full gradients into /tmp/snaps/NAME.safetensors
   snap() { local name=$1 gpus=$2; shift 3; late $name && return; echo "== snap $name $* $(el)" >> $LOG
     CUDA_VISIBLE_DEVICES=$gpus timeout $TMO torchrun --nproc-per-node $(( (${#gpus} + 1) / 2 )) --master-port 29810 \
       benchmarks/grad_snapshot.py "$@" --out /tmp/snaps/$name.safetensors > /tmp/logs/snap_$name.txt 2>&1
@@ -166,25 +166,15 @@ if has tpbisect && [ "$NGPU" -ge 2 ]; then
   B="$M1 $STDLIB --num-layers ${BISECT_LAYERS:-4} --micro-batch-size 1 --global-batch-size 1 --make-vocab-size-divisible-by 16000 --train-iters 2 --eval-interval 0 --eval-iters 0"
   TP2="--tensor-model-parallel-size 2"; mkdir -p /tmp/snaps
   snap tp1_eager 0 -- $B --no-torch-compile
-  if has tpverify; then
-    snap tp2_compiled_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile
-    snap tp2_compiled_zero_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile $ZERO
-    snap tp2_compiled_mb4_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
-    for r in tp2_compiled_fixed tp2_compiled_zero_fixed; do
-      [ -f /tmp/snaps/$r.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
-        python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 5 >> $LOG 2>&1; }
-    done
-    late nccltests || { echo "== NCCL tests $(el)" >> $LOG
-      timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 120 tests/test_gpu.py -k nccl > $X/nccl_tests.txt 2>&1
-      grep -E "PASSED|FAILED|passed|failed|^E " $X/nccl_tests.txt | cut -c1-300 | tail -20 >> $LOG; }
+  if ! has tpcompile && ! has tpverify; then  # the first bisection: which TP=2 path departs from TP=1
+    snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
+    snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+    snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
+    snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
+    snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
+    snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
+    snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
   fi
-  has tpcompile || has tpverify || snap tp2_eager 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile
-  has tpcompile || has tpverify || snap tp2_compiled 0,1 -- $B $TP2 --sequence-parallel --torch-compile
-  has tpcompile || has tpverify || snap tp2_eager_nofusion 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile --no-gradient-accumulation-fusion
-  has tpcompile || has tpverify || snap tp2_eager_nosp 0,1 -- $B $TP2 --no-torch-compile
-  has tpcompile || has tpverify || snap tp2_eager_zero 0,1 -- $B $TP2 --sequence-parallel --no-torch-compile $ZERO
-  has tpcompile || has tpverify || snap tp1_compiled_mb4 0 -- $B --torch-compile --micro-batch-size 4 --global-batch-size 4
-  has tpcompile || has tpverify || snap tp2_compiled_mb4 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
   if has tpcompile; then  # which compiled path loses the layer gradients: TP=1, TP=2 without fusion, the graphs
     snap tp1_compiled 0 -- $B --torch-compile
     snap tp2_compiled_nofusion 0,1 -- $B $TP2 --sequence-parallel --torch-compile --no-gradient-accumulation-fusion
@@ -192,15 +182,28 @@ if has tpbisect && [ "$NGPU" -ge 2 ]; then
     TORCH_LOGS=aot_graphs,output_code snap tp2_compiled_graphs 0,1 -- $B $TP2 --sequence-parallel --torch-compile --num-layers 1
     cp /tmp/logs/snap_tp2_compiled_graphs.txt $X/
   fi
-  for r in tp1_compiled tp2_compiled_nofusion tp2_compiled_nosp tp2_eager tp2_compiled tp2_eager_nofusion tp2_eager_nosp tp2_eager_zero; do
-    [ -f /tmp/snaps/$r.safetensors ] && [ -f /tmp/snaps/tp1_eager.safetensors ] && { echo "-- $r vs tp1_eager" >> $LOG
-      python3 benchmarks/grad_snapshot.py --compare /tmp/snaps/$r.safetensors /tmp/snaps/tp1_eager.safetensors --top 8 >> $LOG 2>&1; }
+  if has tpverify; then  # after the fix
+    snap tp2_compiled_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile
+    snap tp2_compiled_zero_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile $ZERO
+    snap tp2_compiled_mb4_fixed 0,1 -- $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4
+  fi
+  # Every snapshot of the reference's batch against TP=1 eager (micro-batch 4 ones only report their peak).
+  for f in /tmp/snaps/*.safetensors; do
+    [ -f "$f" ] || continue; r=$(basename $f .safetensors)
+    [[ $r == tp1_eager || $r == *mb4* || $r == *graphs* ]] && continue
+    echo "-- $r vs tp1_eager" >> $LOG
+    python3 benchmarks/grad_snapshot.py --compare $f /tmp/snaps/tp1_eager.safetensors --top 8 >> $LOG 2>&1
   done
-  has tpcompile || has tpverify || late tpmem || { echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
+  if has tpverify && ! late nccltests; then echo "== NCCL tests $(el)" >> $LOG
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 120 tests/test_gpu.py -k nccl > $X/nccl_tests.txt 2>&1
+    grep -E "PASSED|FAILED|passed|failed|skipped|^E " $X/nccl_tests.txt | cut -c1-300 | tail -20 >> $LOG
+  fi
+  if ! has tpcompile && ! has tpverify && ! late tpmem; then echo "== TP=2 micro-batch 4 memory peak $(el)" >> $LOG
     CUDA_VISIBLE_DEVICES=0,1 timeout $TMO torchrun --nproc-per-node 2 --master-port 29811 benchmarks/memory_peak.py \
       $B $TP2 --sequence-parallel --torch-compile --micro-batch-size 4 --global-batch-size 4 --train-iters 4 --record-steps 1 \
       --out $X/tp2_mb4_memory.txt > /tmp/logs/tp2_mb4_memory.txt 2>&1
-    grep -vE "Warning|warn|^ *$" /tmp/logs/tp2_mb4_memory.txt | tail -32 | cut -c1-300 >> $LOG; }
+    grep -vE "Warning|warn|^ *$" /tmp/logs/tp2_mb4_memory.txt | tail -32 | cut -c1-300 >> $LOG
+  fi
 fi
 wait ${CORPUS_PID:-}
 if has twonode && [ "$NGPU" -ge 4 ]; then

@@ -68,13 +68,13 @@ def test_nccl_tp2_equals_tp1(sp):
     run_distributed(_tp_vs_single, 2, 2, sp, {}, 2, "cuda", backend="nccl")
 
 
-def _tp2_compiled_bf16_vs_tp1_eager(rank, world, sp, device_type="cuda"):
+def _tp2_compiled_bf16_vs_tp1_eager(rank, world, sp):
     """The production path (bf16, compiled layers, gradient-accumulation fusion into bucket views) at TP=2
     against TP=1 eager: every full gradient within bf16 round-off."""
     from parallel_harness import batches, build, full_grads, trim_vocab
     from megacoat.model.loss import masked_mean_loss
 
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", rank)
     m = small_model_config(hidden_size=512, num_attention_heads=8, seq_length=256, num_layers=2)
     ctx = ParallelContext.build(2, 1, device)
     grads = []

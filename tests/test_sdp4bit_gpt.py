@@ -121,4 +121,5 @@ def test_sdp4bit_with_fp8_optimizer_states_2x2(tmp_path):
     print("fp8-state gaps vs plain:", gap)
     assert losses["both_fp8_states"][-1] < losses["both_fp8_states"][0] - 0.2, losses["both_fp8_states"]
     diff = max(abs(a - b) for a, b in zip(losses["both_fp8_states"], losses["plain_fp8_states"]))
+    # measured (CPU, 12 steps): plain_fp8_states 0.0001 from plain, both_fp8_states 0.0199 from plain
     assert diff < 0.03 and gap["plain_fp8_states"] < 0.03, (diff, gap)

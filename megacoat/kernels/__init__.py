@@ -4,6 +4,8 @@ the same signature, chosen automatically when the kernel cannot run (CPU, missin
 import os
 from functools import lru_cache
 
+import torch
+
 
 @lru_cache(maxsize=None)
 def triton_available() -> bool:
@@ -26,7 +28,7 @@ class TraceableKernels:
 
     def __init__(self, module):
         self._module = module
-        self._wrap = getattr(__import__("torch").library, "wrap_triton", None)  # torch >= 2.6
+        self._wrap = getattr(torch.library, "wrap_triton", None)  # torch >= 2.6
 
     def __getattr__(self, name):
         kernel = getattr(self._module, name)
