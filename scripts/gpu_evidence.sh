@@ -6,7 +6,9 @@
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
-#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10)
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10); coat7 also
+#             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
+#   gradmem   7B micro-batch 1: fp32 vs bf16 gradient buffers (issue 9: the bytes/param bf16 gradients save)
 #   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
 #   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
 #             eager, and TP=2 as two processes on this one GPU over gloo, compiled and eager
@@ -34,6 +36,15 @@ mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name
 peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 benchmarks/peer_plain_llama.py "$@" --json /tmp/p.jsonl 2>&1 | tail -1 | tee -a $LOG
   tail -1 /tmp/p.jsonl | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['run']='peer $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
+setup_torchao() {  # the newest carried torchao whose float8 imports with this torch, into /tmp/site (once)
+  [ -f /tmp/site/.ok ] && return 0
+  for v in 0.17.0 0.16.0; do
+    [ -d "$HERE/.whl/torchao$v" ] || continue
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/torchao$v/*.whl 2>&1 | tail -1
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import torchao.float8" 2>/dev/null && { echo "torchao $v" | tee -a $LOG; touch /tmp/site/.ok; return 0; }
+    rm -rf /tmp/site
+  done
+  return 1; }
 { date -u; cat COMMIT 2>/dev/null; git -C "$HERE" log -1 --oneline 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
@@ -106,17 +117,23 @@ if has coat1; then
   mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
   mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
-  for v in 0.17.0 0.16.0; do  # the newest carried torchao whose float8 imports with this torch
-    [ -d "$HERE/.whl/torchao$v" ] || continue
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/torchao$v/*.whl 2>&1 | tail -1
-    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import torchao.float8" 2>/dev/null && { echo "torchao $v" | tee -a $LOG; break; }
-    rm -rf /tmp/site
-  done
+  setup_torchao
   PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
 fi
-if has coat7; then
-  mc c7_coat 12 $M7 --fp8-format hybrid --fp8-recipe coat
-  mc c7_coat_mbs4 8 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size 4 --global-batch-size 4
+if has coat7; then  # 7B: bf16 vs coat (and coat + FP8 optimizer states) at micro-batch 2, then larger micro-batches
+  mc c7_bf16 10 $M7
+  mc c7_coat 10 $M7 --fp8-format hybrid --fp8-recipe coat
+  mc c7_coat_fp8states 10 $M7 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  for mb in ${C7_MBS:-4}; do
+    mc c7_bf16_mbs$mb 6 $M7 --micro-batch-size $mb --global-batch-size $mb
+    mc c7_coat_mbs$mb 6 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size $mb --global-batch-size $mb
+  done
+  setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p7_torchao_tensorwise --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 \
+    --compile --float8 tensorwise --iters 6 --warmup 5
+fi
+if has gradmem; then
+  mc g7_mbs1_fp32grad 8 $M7 --micro-batch-size 1 --global-batch-size 1
+  mc g7_mbs1_bf16grad 8 $M7 --micro-batch-size 1 --global-batch-size 1 --grad-reduce-in-bf16
 fi
 if has states; then
   mc s1_fp8states 20 $M1 --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
