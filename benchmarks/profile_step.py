@@ -17,6 +17,34 @@ from megacoat.config import parse_args
 from megacoat.training.trainer import Trainer
 
 
+def _timed_steps(tr, it, steps: int) -> float:
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        tr.train_step(tr._next_micro_batches(it))
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
+    """Where the GPU idles: gaps between consecutive kernels (any stream), largest first, with the
+    kernels on either side (a gap after a kernel is host work or a sync that the GPU waited for)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, end, last = [], None, None
+    for s, e, name in spans:
+        if end is not None and s - end >= min_us:
+            gaps.append((s - end, last, name))
+        if end is None or e > end:
+            end, last = e, name
+    total = sum(g for g, _, _ in gaps)
+    print(f"GPU idle gaps >= {min_us:.0f} us: {len(gaps) / steps:.0f} per step, {total / 1e3 / steps:.1f} ms per step")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:8.2f} ms  after {before[:60]}  before {after[:60]}")
+
+
 def main():
     argv = sys.argv[1:]
     steps = 3
@@ -29,6 +57,7 @@ def main():
     it = tr.data_iterators().train
     for _ in range(5):
         tr.train_step(tr._next_micro_batches(it))
+    plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
     if tr.device.type == "cuda":
         torch.cuda.synchronize()
@@ -47,7 +76,9 @@ def main():
         busy = sum(e.self_device_time_total for e in averages
                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / steps  # us -> ms
         print(f"per step: wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms ({100 * busy / (wall * 1e3):.0f}% busy; "
-              f"profiler overhead included in the wall time)")
+              f"profiler overhead included in the wall time); without the profiler {plain * 1e3:.1f} ms per step "
+              f"({100 * busy / (plain * 1e3):.0f}% busy)")
+        print_gaps(prof, steps)
     tr.close()
 
 

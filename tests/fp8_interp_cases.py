@@ -104,6 +104,11 @@ def test_norm_kernels(rms, with_residual, shape):
     _bf16_close(dw, dw_r, extra=1e-3 * dw_r.abs().max().item())
     if b is not None:
         _bf16_close(db, db_r, extra=1e-3 * db_r.abs().max().item())
+    if with_residual:  # the residual stream's gradient added inside the kernel
+        dres = _data(shape, 9)
+        dx, _, _ = KA.norm_bwd(dy, xq, xs, rstd, mean, w, b is not None, rms, dres)
+        dx_r, _, _ = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms, dres)
+        _bf16_close(dx, dx_r, extra=1e-3 * dx_r.abs().max().item())
 
 
 @pytest.mark.parametrize("shape", [(37, 80), (2, 3, 2 * 24)])

@@ -81,6 +81,21 @@ def test_norm_backward_reference_vs_float64_autograd(rms):
     assert rel < 0.08
 
 
+def test_norm_backward_reference_adds_the_residual_gradient_before_rounding():
+    shape, k = (23, 48), 48
+    x, w = _data(shape, 5), _data((k,), 6)
+    _, _, _, xq, xs, rstd, mean = A.norm_fwd_reference(x, None, w, None, 1e-5, True)
+    dy, dres = _data(shape, 8), _data(shape, 9)
+    alone = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, False, True)
+    fused = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, False, True, dres=dres)
+    assert torch.equal(fused[1], alone[1])  # the weight gradient does not see the residual's gradient
+    # dx: the float64 norm gradient plus dres, rounded once (the unfused form rounds twice)
+    xd = fp8.dequantize_1x16(xq, xs, torch.float64).requires_grad_(True)
+    _norm64(xd, w.double(), None, 1e-5, True).backward(dy.double())
+    _bf16_close(fused[0], xd.grad + dres.double(), rel=2 ** -7, abs_=2e-3 * xd.grad.abs().max().item())
+    assert not torch.equal(fused[0], alone[0])
+
+
 def test_swiglu_reference_vs_float64():
     h = _data((3, 7, 80), 9, scale=2.0)
     p, amax, hq, hs = A.swiglu_fwd_reference(h)

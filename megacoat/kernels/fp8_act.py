@@ -64,7 +64,7 @@ def norm_fwd(x, residual, weight, bias, eps: float, rms: bool):
             q.view(x.shape), qs.view(*lead, g), rstd.view(lead), mean.view(lead) if not rms else mean)
 
 
-def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool):
+def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=None):
     k = dy.shape[-1]
     dy2 = dy.view(-1, k)
     m, g = dy2.shape[0], triton_cdiv(k, 16)
@@ -78,8 +78,9 @@ def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool):
     db = torch.empty((progs, k) if has_bias else (0,), dtype=torch.float32, device=dev)
     _k().norm_bwd_kernel[(progs,)](
         dy2, xq.contiguous().view(-1, k), xs.contiguous().view(-1, g), rstd.contiguous().view(-1),
-        mean.contiguous().view(-1) if not rms else rstd, weight, dx, dw, db if has_bias else dw, m, k, g,
-        rows_per_prog, RMS=rms, HAS_BIAS=has_bias, BR=br, BG=bg, num_warps=warps)
+        mean.contiguous().view(-1) if not rms else rstd, weight,
+        dres.contiguous().view(-1, k) if dres is not None else dy2, dx, dw, db if has_bias else dw, m, k, g,
+        rows_per_prog, RMS=rms, HAS_BIAS=has_bias, HAS_RES=dres is not None, BR=br, BG=bg, num_warps=warps)
     return (dx.view(dy.shape), dw.sum(0).to(weight.dtype),
             db.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0))
 

@@ -70,8 +70,10 @@ def norm_fwd_reference(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
 
 def norm_bwd_reference(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor,
-                       mean: torch.Tensor, weight: torch.Tensor, has_bias: bool, rms: bool):
-    """-> (dx, dweight, dbias or empty), from the saved FP8 copy of the input."""
+                       mean: torch.Tensor, weight: torch.Tensor, has_bias: bool, rms: bool,
+                       dres: Optional[torch.Tensor] = None):
+    """-> (dx, dweight, dbias or empty), from the saved FP8 copy of the input. `dres`: the residual
+    stream's own gradient, added to dx in fp32 before its one rounding (the fused residual add)."""
     k = dy.shape[-1]
     x = dequantize_1x16_reference(xq, xs, torch.float32)
     centred = x if rms else x - mean.unsqueeze(-1)
@@ -83,6 +85,8 @@ def norm_bwd_reference(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rst
     if not rms:
         dx = dx - gw.sum(-1, keepdim=True) / k
     dx = dx * rstd.unsqueeze(-1)
+    if dres is not None:
+        dx = dx + dres.float()
     g2, xh2 = g.reshape(-1, k), xhat.reshape(-1, k)
     dw = (g2 * xh2).sum(0).to(weight.dtype)
     db = g2.sum(0).to(weight.dtype) if has_bias else _empty(dy, weight.dtype)
@@ -188,25 +192,27 @@ def _(x, residual, weight, bias, eps, rms):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-                   weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _kernel_ok(dy, xq, xs, rstd, weight):
-        return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms)
-    return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+                   weight: torch.Tensor, has_bias: bool, rms: bool,
+                   dres: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _kernel_ok(dy, xq, xs, rstd, weight, dres):
+        return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms, dres)
+    return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
 
 
 @torch.library.triton_op("megacoat::fp8_norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-                 weight: torch.Tensor, has_bias: bool, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+                 weight: torch.Tensor, has_bias: bool, rms: bool,
+                 dres: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
 
 
-def _norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias, rms):
+def _norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres=None):
     """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
-    return (_norm_bwd_op if is_compiling() else _norm_bwd_impl)(dy, xq, xs, rstd, mean, weight, has_bias, rms)
+    return (_norm_bwd_op if is_compiling() else _norm_bwd_impl)(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
 
 
 @_norm_bwd_op.register_fake
-def _(dy, xq, xs, rstd, mean, weight, has_bias, rms):
+def _(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres):
     return dy.new_empty(dy.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else (0,))
 
 
@@ -318,9 +324,9 @@ class _Fp8Norm(torch.autograd.Function):
         xq, xs, rstd, mean, weight = ctx.saved_tensors
         if g_y is None:
             g_y = torch.zeros(xq.shape, dtype=weight.dtype, device=xq.device)
-        dx, dw, db = _norm_bwd(g_y, xq, xs, rstd, mean, weight, ctx.has_bias, ctx.rms)
-        if g_stream is not None and ctx.has_residual:
-            dx = dx + g_stream
+        # The stream's own gradient joins dx inside the kernel (fp32 add, one rounding).
+        dres = g_stream if ctx.has_residual else None
+        dx, dw, db = _norm_bwd(g_y, xq, xs, rstd, mean, weight, ctx.has_bias, ctx.rms, dres)
         return dx, (dx if ctx.has_residual else None), dw, (db if ctx.has_bias else None), None, None
 
 

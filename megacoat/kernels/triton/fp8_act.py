@@ -68,9 +68,12 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
 
 
 @triton.jit
-def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, M, K, G,
-                    rows_per_prog, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
-    """Each program walks `rows_per_prog` rows and writes one row of weight/bias-gradient partials."""
+def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, M, K, G,
+                    rows_per_prog, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BR: tl.constexpr,
+                    BG: tl.constexpr):
+    """Each program walks `rows_per_prog` rows and writes one row of weight/bias-gradient partials.
+    HAS_RES: dx also gets the residual stream's gradient `dres` (added in fp32, one rounding): the
+    separate add of the two bf16 gradients would cost another pass over both."""
     pid = tl.program_id(0)
     groups = tl.arange(0, BG)
     lanes = tl.arange(0, 16)
@@ -103,6 +106,8 @@ def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dx_ptr, dw
         if not RMS:
             dx = dx - (tl.sum(tl.sum(gw, axis=2), axis=1) / K)[:, None, None]
         dx = dx * rstd[:, None, None]
+        if HAS_RES:
+            dx = dx + tl.load(dres_ptr + off, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += tl.sum(g * xhat, axis=0)
         if HAS_BIAS:
