@@ -40,13 +40,14 @@ for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
     comp(Q.dequantize_1x16_kernel, dict(q_ptr=qty, s_ptr=bf, y_ptr=bf, M=i32, K=i32, G=i32), dict(BM=32, BG=16), 8)
 norm_sig = dict(x_ptr=bf, r_ptr=bf, s_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32,
                 mean_ptr=f32, amax_ptr=f32, M=i32, K=i32, G=i32, eps="fp32")
-bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dx_ptr=bf, dw_ptr=f32,
+bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dres_ptr=bf, dx_ptr=bf, dw_ptr=f32,
                db_ptr=f32, M=i32, K=i32, G=i32, rows_per_prog=i32)
 for rms in (True, False):
     for res in (False, True):
         comp(A.norm_fwd_kernel, norm_sig, dict(HAS_RES=res, RMS=rms, HAS_BIAS=not rms, FMAX=448.0, EPS=1e-12,
                                                BR=1, BG=256), 8)
-    comp(A.norm_bwd_kernel, bwd_sig, dict(RMS=rms, HAS_BIAS=not rms, BR=1, BG=256), 8)
+    for res in (False, True):
+        comp(A.norm_bwd_kernel, bwd_sig, dict(RMS=rms, HAS_BIAS=not rms, HAS_RES=res, BR=1, BG=256), 8)
     comp(A.norm_fwd_kernel, norm_sig, dict(HAS_RES=True, RMS=rms, HAS_BIAS=False, FMAX=448.0, EPS=1e-12,
                                            BR=4, BG=32), 4)
     # inductor launches user kernels with Python floats as fp64 (the COAT run failed to compile there)
