@@ -8,6 +8,8 @@
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
+#   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
+#             expansion (issue 11), final training and validation loss
 #   gradmem   7B micro-batch 1: fp32 vs bf16 gradient buffers (issue 9: the bytes/param bf16 gradients save)
 #   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
 #   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
@@ -134,6 +136,15 @@ fi
 if has gradmem; then
   mc g7_mbs1_fp32grad 8 $M7 --micro-batch-size 1 --global-batch-size 1
   mc g7_mbs1_bf16grad 8 $M7 --micro-batch-size 1 --global-batch-size 1 --grad-reduce-in-bf16
+fi
+if has states125; then
+  S125="--num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters ${S125_ITERS:-1000} --log-interval 100 --eval-interval ${S125_ITERS:-1000} --eval-iters 20 --data-path .data/stdlib_text_document --tokenizer-type SentencePieceTokenizer --tokenizer-model .data/tokenizer.model"
+  F8="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
+  for v in "s125_fp32states" "s125_fp8states $F8" "s125_fp8states_noexpansion $F8 --no-optimizer-state-expansion"; do
+    set -- $v; name=$1; shift; late $name && continue; echo "== $name $(el)" | tee -a $LOG
+    timeout ${TMO:-200} python3 pretrain_gpt.py $S125 "$@" --log-json /tmp/$name.jsonl 2>&1 | grep -E "iteration +(500|1000)/|validation|rror|Traceback" | cut -c1-400 | tee -a $LOG
+    cp /tmp/$name.jsonl $OUT/ 2>/dev/null
+  done
 fi
 if has states; then
   mc s1_fp8states 20 $M1 --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
