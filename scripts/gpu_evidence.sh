@@ -6,7 +6,7 @@
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
-#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10); coat7 also
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
 #             expansion (issue 11), final training and validation loss
@@ -114,13 +114,17 @@ if has eager; then
   mc b1_eager 15 $M1 --no-torch-compile
   peer p1_eager --iters 8 --warmup 4
 fi
+c1() { [[ " ${C1_RUNS:-bf16 tensorwise coat coat_gbs32 torchao coat_fp8states} " == *" $1 "* ]]; }
 if has coat1; then
-  mc c1_bf16 20 $M1
-  mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
-  mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
-  mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
-  setup_torchao
-  PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
+  c1 bf16 && mc c1_bf16 20 $M1
+  c1 tensorwise && mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
+  c1 coat && mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
+  # EXPERIMENT: amax by torch ops inside compiled graphs (inductor may fuse it into the producer)
+  c1 inductor_amax && MEGACOAT_INDUCTOR_AMAX=1 mc c1_coat_inductor_amax 20 $M1 --fp8-format hybrid --fp8-recipe coat
+  c1 inductor_amax && MEGACOAT_INDUCTOR_AMAX=1 mc c1_tensorwise_inductor_amax 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
+  c1 coat_fp8states && mc c1_coat_fp8states 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  c1 coat_gbs32 && mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
+  c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
 fi
 if has coat7; then  # 7B: bf16 vs coat (and coat + FP8 optimizer states) at micro-batch 2, then larger micro-batches
   mc c7_bf16 10 $M7
