@@ -27,7 +27,8 @@ def _cpp_extensions():
 
 # CUDA C++ kernels of csrc/ (sm_90), built without --use_fast_math where they must match their torch
 # references bit for bit. Without a build they are compiled on first use (megacoat.kernels.cuda_ext).
-CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"]}
+CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"],
+                   "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu"]}
 CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
 
 

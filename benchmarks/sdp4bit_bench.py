@@ -8,7 +8,9 @@ reorder 1.30; dequantize + reduce + requantize 0.67; dequantize + reduce + inver
 TLq-HS kernels are sized as one rank of 2 nodes x 2 GPUs with a 256M-element fp32 bucket.
 Also: a plain fp32 copy of 256M elements, the torch references on 32M elements (eager baseline),
 round 1 of these kernels (ROUND1_MS), a sweep of the tile (elements per program) and warps, and
-kernel == reference bit for bit on 8M elements for every kernel.
+kernel == reference bit for bit on 8M elements for every kernel. The TLq-HS encode is timed twice:
+the Triton kernel (`tlq_encode_*`) and the CUDA C++ one of csrc/sdp4bit_encode.cu (`*_cuda`, which
+`encode_partitioned` runs where it is built), on the same data; CUDA == Triton is checked too.
 
 Part 2 (CPU is enough): bytes each rank sends per step for the 1.36B model (h 2048, 24 layers, ffn
 5632, vocab 32000, tied embedding, default 40M-element buckets), plain vs qWD at DP=2 and plain vs
@@ -34,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.comm import codecs as C  # noqa: E402
 
 HBM_GBS = 4300.0
-SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_reduce_requantize_int8_to_int4": 0.67,
-              "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
+SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_encode_hadamard_int8_cuda": 1.30,
+              "tlq_reduce_requantize_int8_to_int4": 0.67, "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
 # Round 1 of these kernels on the same H200 (benchmarks/results/raw/2026-11-30_run2_sdpbench.json).
 ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "tlq_encode_hadamard_int8": 1.1853,
              "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
@@ -73,8 +75,15 @@ def _safe(results, name, fn):
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
+def _cuda_encode(K, *args):
+    """The CUDA C++ encode (csrc/sdp4bit_encode.cu); an error if it did not run (not built / not covered)."""
+    if not K.encode_partitioned_cuda(*args):
+        raise RuntimeError("the CUDA encode did not run (extension not built or disabled, or case not covered)")
+
+
 def kernel_cases(n, dev, key):
-    """name -> (run, bytes moved, description, reference run or None) on n elements (TLq: 2 x 2)."""
+    """name -> (run, bytes moved, description, reference run or None) on n elements (TLq: 2 x 2).
+    `tlq_encode_*` entries run the Triton kernel; `*_cuda` the CUDA C++ one on the same data."""
     from megacoat.kernels import sdp4bit as K
     g = torch.Generator(device=dev).manual_seed(0)
     master = torch.randn(n, device=dev, generator=g) * 0.02
@@ -91,6 +100,7 @@ def kernel_cases(n, dev, key):
     grad[::4097] *= 50  # outliers, as in real gradients
     m1 = torch.empty(L, C.message_bytes(N * S, 8, 128), dtype=torch.uint8, device=dev)
     K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key)
+    grad16 = grad.bfloat16()
     m2 = torch.empty(N, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
     K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key)
     out = torch.empty(S, device=dev)
@@ -101,13 +111,30 @@ def kernel_cases(n, dev, key):
                                   (msg, lambda o: C.encode_delta_reference(master, w, o, 4, 2048, key, False))),
         "qwd_apply_delta_int4": (lambda: K.apply_delta(msgs, w2, 4, 2048, False), 4 * n + msgs.numel(),
                                  "bf16 weights += dequant(int4 messages of 2 ranks)", None),
-        "tlq_encode_hadamard_int8": (lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, True, key),
+        "tlq_encode_hadamard_int8": (lambda: K.encode_partitioned_triton(grad, m1, S, 0, S, L, N, 8, 128, True, key),
                                      4 * n + m1.numel(),
                                      "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2",
                                      (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, True,
                                                                                    key))),
-        "tlq_encode_int8_no_hadamard": (lambda: K.encode_partitioned(grad, m1, S, 0, S, L, N, 8, 128, False, key),
+        "tlq_encode_int8_no_hadamard": (lambda: K.encode_partitioned_triton(grad, m1, S, 0, S, L, N, 8, 128, False,
+                                                                            key),
                                         4 * n + m1.numel(), "the same without the Hadamard transform (TLq)", None),
+        "tlq_encode_hadamard_int8_cuda": (
+            lambda: _cuda_encode(K, grad, m1, S, 0, S, L, N, 8, 128, True, key), 4 * n + m1.numel(),
+            "CUDA C++ kernel: fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2",
+            (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, True, key))),
+        "tlq_encode_int8_no_hadamard_cuda": (
+            lambda: _cuda_encode(K, grad, m1, S, 0, S, L, N, 8, 128, False, key), 4 * n + m1.numel(),
+            "CUDA C++ kernel without the Hadamard transform",
+            (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, False, key))),
+        "tlq_encode_hadamard_int8_bf16": (
+            lambda: K.encode_partitioned_triton(grad16, m1, S, 0, S, L, N, 8, 128, True, key), 2 * n + m1.numel(),
+            "Triton: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2",
+            (m1, lambda o: C.encode_partitioned_reference(grad16, o, S, 0, S, L, N, 8, 128, True, key))),
+        "tlq_encode_hadamard_int8_bf16_cuda": (
+            lambda: _cuda_encode(K, grad16, m1, S, 0, S, L, N, 8, 128, True, key), 2 * n + m1.numel(),
+            "CUDA C++: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2",
+            (m1, lambda o: C.encode_partitioned_reference(grad16, o, S, 0, S, L, N, 8, 128, True, key))),
         "tlq_reduce_requantize_int8_to_int4": (
             lambda: K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
             "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",
@@ -151,6 +178,8 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
                     break
                 K.TILE, K.WARPS = tile, warps
                 for name, (run, nbytes, _, _) in cases.items():
+                    if name.endswith("_cuda"):  # TILE / WARPS are the Triton kernels' parameters
+                        continue
                     try:
                         run()
                         ms = _bench(run)
@@ -174,7 +203,7 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
         m1 = torch.empty(2, C.message_bytes(2 * S2, 8, 128), dtype=torch.uint8, device=dev)
         ms = _bench(lambda: C.encode_partitioned_reference(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
         _record(results, "torch_reference_encode_hadamard_int8_32M", ms, 4 * m + m1.numel())
-        ms = _bench(lambda: K.encode_partitioned(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
+        ms = _bench(lambda: K.encode_partitioned_triton(grad, m1, S2, 0, S2, 2, 2, 8, 128, True, key))
         _record(results, "triton_encode_hadamard_int8_32M", ms, 4 * m + m1.numel())
     _safe(results, "references", references)
     cases.clear()
@@ -203,6 +232,17 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
         K.apply_delta(msgs, w1, 4, 2048, False)
         C.apply_delta_reference(msgs, w2, 4, 2048, False)
         exact["qwd_apply_delta_int4"] = bool(torch.equal(w1, w2))
+        # CUDA vs Triton encode on the same 8M-element bucket (fp32 and bf16, with and without Hadamard)
+        S = exact_n // 4
+        src = torch.randn(exact_n, device=dev, generator=g) * 3
+        src[::4097] *= 50
+        for dt in (torch.float32, torch.bfloat16):
+            for had in (True, False):
+                a = torch.empty(2, C.message_bytes(2 * S, 8, 128), dtype=torch.uint8, device=dev)
+                b = torch.empty_like(a)
+                K.encode_partitioned_triton(src.to(dt), a, S, 0, S, 2, 2, 8, 128, had, key)
+                ran = K.encode_partitioned_cuda(src.to(dt), b, S, 0, S, 2, 2, 8, 128, had, key)
+                exact[f"cuda_eq_triton_encode_{'had' if had else 'plain'}_{str(dt)[6:]}"] = ran and bool(torch.equal(a, b))
         results["bit_exact"] = {"elements": exact_n, **exact}
         print(f"kernel == reference ({exact_n} elements):", exact, flush=True)
     _safe(results, "exactness", exactness)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU evidence on one H200, in stages (STAGES=a,b,...), within a time budget (BUDGET seconds):
-#   build     compile the optional CUDA extensions (fused AdamW) once, before anything uses them
+#   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
@@ -51,7 +51,9 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
-  MEGACOAT_VERBOSE_BUILD=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
+  MEGACOAT_VERBOSE_BUILD=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
+  MEGACOAT_VERBOSE_BUILD=0 timeout 200 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
+  wait
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
   S="$C --num-layers 2 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 2"

@@ -2,7 +2,9 @@
 
 Same signatures as the references `*_reference` in `megacoat.comm.codecs`, which decides when to
 call them (CUDA tensors and Triton importable). Triton is imported lazily: this module imports
-without it. Set MEGACOAT_NO_TRITON=1 to force the references. The constants of the stochastic
+without it. Set MEGACOAT_NO_TRITON=1 to force the references. `encode_partitioned` runs the CUDA C++
+kernel of csrc/sdp4bit_encode.cu where it loads and covers the case (MEGACOAT_SDP4BIT_NO_CUDA=1 or
+MEGACOAT_NO_CUDA_EXT=1: Triton). The constants of the stochastic
 rounding hash live here (the lower layer) so that both implementations share one definition.
 """
 from __future__ import annotations
@@ -64,7 +66,37 @@ def _pack(t: torch.Tensor) -> int:
     return 4 if t.element_size() == 4 else 8
 
 
+def cuda_extension():
+    """The CUDA C++ encode (csrc/sdp4bit_encode.cu), or None: not built, no GPU, MEGACOAT_NO_CUDA_EXT=1,
+    or MEGACOAT_SDP4BIT_NO_CUDA=1 (this kernel only: the Triton one runs)."""
+    if os.environ.get("MEGACOAT_SDP4BIT_NO_CUDA") == "1":
+        return None
+    from .cuda_ext import load_extension
+    return load_extension("sdp4bit", ("sdp4bit_encode.cu",), precise=True)  # cached
+
+
+def encode_partitioned_cuda(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key,
+                            max_blocks=0) -> bool:
+    """The CUDA kernel where it covers the case (8-bit codes, groups of 32..512, 16-byte aligned
+    fp32/bf16 sources, CUDA tensors): True if it ran, False if the caller must run another."""
+    if bits != 8 or not src.is_cuda:
+        return False
+    ext = cuda_extension()
+    if ext is None:
+        return False
+    return bool(ext.encode_partitioned(src, _check_msg(out), shard_size, slice_off, slice_len, ndest, nblocks, bits,
+                                       group, bool(hadamard), key[0], key[1], max_blocks))
+
+
 def encode_partitioned(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key):
+    """The CUDA kernel where it applies (same bytes; faster Hadamard), else the Triton one."""
+    if not encode_partitioned_cuda(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard,
+                                   key):
+        encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard,
+                                  key)
+
+
+def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key):
     r = _rows(group)
     _k().encode_partitioned_kernel[(_cdiv(slice_len // group, r), nblocks, ndest)](
         src, _check_msg(out), shard_size, slice_off, slice_len, ndest, out.shape[-1], key[0], key[1],
