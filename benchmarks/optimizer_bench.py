@@ -9,7 +9,8 @@
              torch.compile (what runs when the kernel is missing). Time per step (CUDA events,
              median), bytes read + written, GB/s and the fraction of ~4.3 TB/s; a device copy
              of the same bytes (what the memory system delivers); the issue's target for FP8 with
-             expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s).
+             expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
+             faster than torch.optim.AdamW(fused=True) with fp32 states).
   agreement  on the GPU, fast vs exact form after 20 steps of the kernel from the same start:
              identical codes, max code distance, identical k, parameter difference.
   memory     optimizer-state bytes per parameter of each format.
@@ -292,6 +293,12 @@ def main() -> None:
             print(f"{name}: FAILED {e}", flush=True)
         res[name]["wall_s"] = time.time() - t0
         torch.cuda.empty_cache()
+    fp8 = res.get("kernels", {}).get("fp8_expand_bf16grad", {})
+    torch_fused = res.get("torch_adamw", {}).get("torch_adamw_fused_fp32", {})
+    if "ms" in fp8 and "ms" in torch_fused:  # the fused FP8 step should beat torch's fp32 AdamW alone
+        res["kernels"]["target_fp8_expand"]["faster_than_torch_fused_fp32"] = fp8["ms"] < torch_fused["ms"]
+        print(f"FP8 expand (bf16 grads) {fp8['ms']:.3f} ms vs torch AdamW(fused) fp32 {torch_fused['ms']:.3f} ms",
+              flush=True)
     try:
         t0 = time.time()
         moments, losses = small_gpt_moments(args.train_steps)

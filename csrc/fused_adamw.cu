@@ -1,14 +1,26 @@
 // Fused AdamW step over a whole flat optimizer shard, with Adam moments in fp32, bf16 or COAT's
 // FP8 (E4M3 groups of 128 with per-group scale s, exponent k, centre c; DESIGN 5.4), writing the
-// updated bf16 weight in the same pass. One launch for the shard: one warp per group of 128
-// elements, 4 contiguous elements per lane (16-byte master loads), butterfly shuffles for the
-// group max and the true nonzero min.
+// updated bf16 weight in the same pass. One launch for the shard.
+//
+// Layout: a persistent grid (as many blocks as fit on the GPU at once) whose warps loop over
+// units of 4 consecutive groups; 8 lanes share a group, each lane holds 16 of its elements as
+// 4 runs of 4 contiguous ones, 32 elements apart (per load instruction the 8 lanes of a group read
+// 128 contiguous bytes of the master). Why: the FP8 step was bound by instruction issue, not by
+// memory (one group per warp: ~2000 warp instructions per group with expansion, 4.2 ms per 2^28
+// elements on the H200), and over half of them were per group (powf, divisions and log2f for s, k, c)
+// or per launch (the bias corrections, the log2 table), run by every lane of a one-group warp.
+// Now the per-launch work runs once per thread, and the per-group work once per lane for 8
+// (group, moment) pairs: lanes 0-3 of a group work for m, lanes 4-7 for v, exchanging results by
+// shuffles. 16 independent elements per lane also give the loads and the math ILP.
 //
 // Numerics: the torch reference `megacoat.optim.fp8_adam.reference_step` is the specification.
 // Every fp32 operation here is the same IEEE-rounded operation in the same order (explicit __f*_rn
 // intrinsics: no FMA contraction, no fast math), pow/log2/exp2 are CUDA's powf/log2f/exp2f, which
-// torch's fp32 pow/log2/exp2 call on the GPU; so kernel and reference agree bit for bit. Build
-// WITHOUT --use_fast_math (it would swap them for the approximate intrinsics and flush denormals).
+// torch's fp32 pow/log2/exp2 call on the GPU; so kernel and reference agree bit for bit. Changed
+// in form only: the max / nonzero-min reductions run in another order (exact operations) and the
+// fast form negates where the reference multiplies by sign(x) (same clamped value: see quant).
+// Build WITHOUT --use_fast_math (it would swap them for the approximate intrinsics and flush
+// denormals).
 //
 // The skip flag, the clip factor and the step count are read from device memory: the host never
 // waits. A skipped step (found_inf != 0) returns before touching anything.
@@ -22,16 +34,23 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 namespace {
 
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kLanes = 8;                    // lanes per group
+constexpr int kGroupsPerWarp = 32 / kLanes;  // groups per warp and loop iteration (a unit)
+constexpr int kRuns = 4;                     // per lane: runs of 4 contiguous elements, 32 apart
+constexpr int kPerLane = 4 * kRuns;          // 16 elements per lane
+constexpr int kRunStride = kGroup / kRuns;   // 32 elements between a lane's runs
 
 // kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
 // codes); kFp8ExpandFast: the same statistics, codes as exp2(k log2|x| - (k log2 c + log2 s)) and
 // values as exp2((log2|q| + log2 s) / k + log2 c) with log2|q| from a 128-entry table: per element
-// and moment one log2f and two exp2f instead of two powf and two divisions (about 5x fewer
-// instructions; the kernel was compute-bound).
+// and moment one log2f and two exp2f instead of two powf and two divisions.
 enum Format : int { kFp32 = 0, kBf16 = 1, kFp8 = 2, kFp8Expand = 3, kFp8ExpandFast = 4 };
 
 struct Moment {
@@ -63,233 +82,374 @@ __device__ __forceinline__ float sign_of(float x) {
   return (float)(x > 0.f) - (float)(x < 0.f);  // as the reference: 0 for +-0
 }
 
-__device__ __forceinline__ float fp8_to_float(uint8_t b) {
+__device__ __forceinline__ float fp8_to_float(uint32_t b) {
   __nv_fp8_e4m3 q;
-  q.__x = b;
+  q.__x = (__nv_fp8_storage_t)b;
   return float(q);
 }
 
-__device__ __forceinline__ uint8_t float_to_fp8(float x) {
-  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+// Two E4M3 codes (round to nearest even, saturating), x in the low byte: the same conversion as
+// one at a time, one instruction for both.
+__device__ __forceinline__ uint32_t float2_to_fp8x2(float x, float y) {
+  return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
 }
 
-template <int FMT>
-struct MomentIO;
-
-template <>
-struct MomentIO<kFp32> {
-  __device__ static void load(const Moment& M, int64_t g, int64_t e, float x[4], const float*) {
-    float4 d = *reinterpret_cast<const float4*>(static_cast<const float*>(M.data) + e);
-    x[0] = d.x; x[1] = d.y; x[2] = d.z; x[3] = d.w;
-  }
-  __device__ static void store(const Moment& M, const Args&, int64_t g, int64_t e, const float x[4], int lane) {
-    *reinterpret_cast<float4*>(static_cast<float*>(M.data) + e) = make_float4(x[0], x[1], x[2], x[3]);
-  }
-};
-
-template <>
-struct MomentIO<kBf16> {
-  __device__ static void load(const Moment& M, int64_t g, int64_t e, float x[4], const float*) {
-    uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(M.data) + e);
-    __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x);
-    __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
-    x[0] = __low2float(a); x[1] = __high2float(a); x[2] = __low2float(b); x[3] = __high2float(b);
-  }
-  __device__ static void store(const Moment& M, const Args&, int64_t g, int64_t e, const float x[4], int lane) {
-    uint2 raw;
-    __nv_bfloat162 a = __halves2bfloat162(__float2bfloat16_rn(x[0]), __float2bfloat16_rn(x[1]));
-    __nv_bfloat162 b = __halves2bfloat162(__float2bfloat16_rn(x[2]), __float2bfloat16_rn(x[3]));
-    raw.x = *reinterpret_cast<uint32_t*>(&a);
-    raw.y = *reinterpret_cast<uint32_t*>(&b);
-    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(M.data) + e) = raw;
-  }
-};
-
-// FP8 groups; EXPAND selects COAT's dynamic range expansion (else k = 1, c = 1, s = absmax / 448),
-// FAST its exp2/log2 form (see Format). `lq`: log2f of the 128 E4M3 magnitudes (FAST only).
-template <bool EXPAND, bool FAST = false>
-struct Fp8IO {
-  __device__ static void load(const Moment& M, int64_t g, int64_t e, float x[4], const float* lq) {
-    uint32_t codes = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(M.data) + e);
-    const float s = M.s[g];
-    if (FAST) {
-      const float inv_k = __fdiv_rn(1.f, M.k[g]), ls = log2f(s), lc = log2f(M.c[g]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t b = (codes >> (8 * i)) & 0xff, mag = b & 0x7f;
-        const float sign = mag == 0 ? 0.f : ((b & 0x80) ? -1.f : 1.f);   // sign of the code's value
-        x[i] = __fmul_rn(sign, exp2f(__fadd_rn(__fmul_rn(__fadd_rn(lq[mag], ls), inv_k), lc)));
-      }
-      return;
-    }
-    float inv_k = 1.f, c = 1.f;
-    if (EXPAND) {
-      inv_k = __fdiv_rn(1.f, M.k[g]);
-      c = M.c[g];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float y = __fmul_rn(fp8_to_float((codes >> (8 * i)) & 0xff), s);
-      if (EXPAND) y = __fmul_rn(__fmul_rn(sign_of(y), powf(fabsf(y), inv_k)), c);
-      x[i] = y;
-    }
-  }
-
-  __device__ static void store(const Moment& M, const Args& A, int64_t g, int64_t e, const float x[4], int lane) {
-    float mx = 0.f, mn = CUDART_INF_F;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float a = fabsf(x[i]);
-      mx = fmaxf(mx, a);
-      if (a > 0.f) mn = fminf(mn, a);  // the true nonzero minimum: zeros never enter
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {  // butterfly: every lane ends with the group's values
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-    }
-    mx = __fadd_rn(mx, A.tiny);
-    mn = __fadd_rn(isinf(mn) ? 0.f : mn, A.tiny);
-    float s, k = 1.f, c = 1.f;
-    if (EXPAND) {
-      c = __fmul_rn(__fsqrt_rn(mx), __fsqrt_rn(mn));
-      const float log2r = log2f(__fdiv_rn(mx, mn));
-      k = __fdiv_rn(floorf(__fdiv_rn(A.k16, log2r)), 16.f);  // k16 / 0 = inf: capped next
-      k = fminf(fmaxf(k, 0.0625f), A.kmax);  // 1/16 when R overflows fp32 (k = 0), the cap when R = 1
-      s = __fdiv_rn(powf(__fdiv_rn(mx, c), k), 448.f);
-    } else {
-      s = __fdiv_rn(mx, 448.f);
-    }
-    uint32_t codes = 0;
-    if (FAST) {
-      const float a = __fadd_rn(__fmul_rn(k, log2f(c)), log2f(s));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        // log2(0) = -inf -> exp2 -> 0: zeros stay zero
-        float y = __fmul_rn(sign_of(x[i]), exp2f(__fsub_rn(__fmul_rn(k, log2f(fabsf(x[i]))), a)));
-        y = fminf(fmaxf(y, -448.f), 448.f);
-        codes |= (uint32_t)float_to_fp8(y) << (8 * i);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float y = x[i];
-        if (EXPAND) y = __fmul_rn(sign_of(y), powf(__fdiv_rn(fabsf(y), c), k));
-        y = fminf(fmaxf(__fdiv_rn(y, s), -448.f), 448.f);
-        codes |= (uint32_t)float_to_fp8(y) << (8 * i);
-      }
-    }
-    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(M.data) + e) = codes;
-    if (lane == 0) {
-      M.s[g] = s;
-      if (EXPAND) {
-        M.k[g] = k;
-        M.c[g] = c;
-      }
-    }
-  }
-};
-
-template <>
-struct MomentIO<kFp8> : Fp8IO<false> {};
-template <>
-struct MomentIO<kFp8Expand> : Fp8IO<true> {};
-template <>
-struct MomentIO<kFp8ExpandFast> : Fp8IO<true, true> {};
+__device__ __forceinline__ float shfl4(float x) { return __shfl_xor_sync(0xffffffffu, x, 4); }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// 4 gradients from element `i` of a chunk of n elements (zeros past its end). bf16 gradients are
-// widened in registers: no fp32 copy of a bf16 gradient buffer exists.
-template <typename G>
-__device__ __forceinline__ void load_grad(const G* grad, int64_t i, int64_t n, float g[4]) {
-  const G* ptr = grad + i;
-  if (i + 4 <= n && reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(G)) == 0) {
-    if (sizeof(G) == 4) {
-      float4 d = *reinterpret_cast<const float4*>(ptr);
-      g[0] = d.x; g[1] = d.y; g[2] = d.z; g[3] = d.w;
-    } else {
-      uint2 raw = *reinterpret_cast<const uint2*>(ptr);
-      __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x);
-      __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
-      g[0] = __low2float(a); g[1] = __high2float(a); g[2] = __low2float(b); g[3] = __high2float(b);
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) g[j] = i + j < n ? to_float(ptr[j]) : 0.f;
+__device__ __forceinline__ void bf16x4_to_float(uint2 raw, float* x) {
+  __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x);
+  __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
+  x[0] = __low2float(a); x[1] = __high2float(a); x[2] = __low2float(b); x[3] = __high2float(b);
 }
 
-__device__ __forceinline__ void store_weight(__nv_bfloat16* w, int64_t i, int64_t n, const float p[4]) {
-  __nv_bfloat16* ptr = w + i;
-  if (i + 4 <= n && reinterpret_cast<uintptr_t>(ptr) % 8 == 0) {
-    uint2 raw;
-    __nv_bfloat162 a = __halves2bfloat162(__float2bfloat16_rn(p[0]), __float2bfloat16_rn(p[1]));
-    __nv_bfloat162 b = __halves2bfloat162(__float2bfloat16_rn(p[2]), __float2bfloat16_rn(p[3]));
-    raw.x = *reinterpret_cast<uint32_t*>(&a);
-    raw.y = *reinterpret_cast<uint32_t*>(&b);
-    *reinterpret_cast<uint2*>(ptr) = raw;
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if (i + j < n) ptr[j] = __float2bfloat16_rn(p[j]);
+__device__ __forceinline__ uint2 float4_to_bf16x4(const float* x) {
+  __nv_bfloat162 a = __halves2bfloat162(__float2bfloat16_rn(x[0]), __float2bfloat16_rn(x[1]));
+  __nv_bfloat162 b = __halves2bfloat162(__float2bfloat16_rn(x[2]), __float2bfloat16_rn(x[3]));
+  return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
 }
+
+// One moment's per-group numbers for dequantization: FAST (1/k, log2 s, log2 c), exact
+// expansion (1/k, s, c), absmax (-, s, -).
+struct Dq {
+  float inv_k, s, c;
+};
+
+// One moment's new per-group statistics; `a` = k log2 c + log2 s (FAST only).
+struct Q {
+  float s, k, c, a;
+};
+
+// The lane's moment's numbers for group g. FAST: the 4 lanes of a (group, moment) share the two
+// log2f, lanes 2-3 taking log2 c, lanes 0-1 log2 s (the same calls on the same inputs).
+template <int FMT>
+__device__ __forceinline__ Dq dequant_params(const Moment& M, int64_t g, int sub) {
+  constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
+  Dq d{1.f, M.s[g], 1.f};
+  if (EXPAND) {
+    d.inv_k = __fdiv_rn(1.f, M.k[g]);
+    d.c = M.c[g];
+  }
+  if (FAST) {
+    const bool hi = sub & 2;
+    const float l = log2f(hi ? d.c : d.s), lo = __shfl_xor_sync(0xffffffffu, l, 2);
+    d.s = hi ? lo : l;
+    d.c = hi ? l : lo;
+  }
+  return d;
+}
+
+// fp32 value of code b (low 8 bits) under the group's numbers. `tab` (FAST only): per code, log2f
+// of its magnitude and the sign of its value (0 for +-0), one shared load for both.
+template <int FMT>
+__device__ __forceinline__ float dequant(uint32_t b, const Dq& d, const float2* tab) {
+  if (FMT == kFp8ExpandFast) {
+    const float2 t = tab[b & 0xff];
+    return __fmul_rn(t.y, exp2f(__fadd_rn(__fmul_rn(__fadd_rn(t.x, d.s), d.inv_k), d.c)));
+  }
+  float y = __fmul_rn(fp8_to_float(b & 0xff), d.s);
+  if (FMT == kFp8Expand) y = __fmul_rn(__fmul_rn(sign_of(y), powf(fabsf(y), d.inv_k)), d.c);
+  return y;
+}
+
+// New statistics of a group from its max and true nonzero min of |x| (DESIGN 5.4, capped k).
+// FAST: log2 c (for a) and log2 R share one log2f over the 4 lanes of the (group, moment).
+template <int FMT>
+__device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int sub) {
+  constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
+  mx = __fadd_rn(mx, A.tiny);
+  mn = __fadd_rn(isinf(mn) ? 0.f : mn, A.tiny);
+  Q q{0.f, 1.f, 1.f, 0.f};
+  if (EXPAND) {
+    q.c = __fmul_rn(__fsqrt_rn(mx), __fsqrt_rn(mn));
+    const float r = __fdiv_rn(mx, mn);
+    float log2r, log2c = 0.f;
+    if (FAST) {
+      const bool hi = sub & 2;
+      const float l = log2f(hi ? q.c : r), lo = __shfl_xor_sync(0xffffffffu, l, 2);
+      log2r = hi ? lo : l;
+      log2c = hi ? l : lo;
+    } else {
+      log2r = log2f(r);
+    }
+    float k = __fdiv_rn(floorf(__fdiv_rn(A.k16, log2r)), 16.f);  // k16 / 0 = inf: capped next
+    q.k = fminf(fmaxf(k, 0.0625f), A.kmax);  // 1/16 when R overflows fp32 (k = 0), the cap when R = 1
+    q.s = __fdiv_rn(powf(__fdiv_rn(mx, q.c), q.k), 448.f);
+    if (FAST) q.a = __fadd_rn(__fmul_rn(q.k, log2c), log2f(q.s));
+  } else {
+    q.s = __fdiv_rn(mx, 448.f);
+  }
+  return q;
+}
+
+// The E4M3 code of x (before the final conversion: the clamped fp32 value).
+template <int FMT>
+__device__ __forceinline__ float quant(float x, const Q& q) {
+  float y;
+  if (FMT == kFp8ExpandFast) {
+    // log2(0) = -inf -> exp2 -> 0: zeros stay zero. The reference multiplies by sign(x); negating
+    // where x < 0 gives the same value after the clamp (e >= 0; x = +-0 or NaN: e is 0 or NaN,
+    // and the clamp maps NaN to -448 whatever its sign), one instruction instead of four.
+    const float e = exp2f(__fsub_rn(__fmul_rn(q.k, log2f(fabsf(x))), q.a));
+    y = x < 0.f ? -e : e;
+  } else {
+    y = x;
+    if (FMT == kFp8Expand) y = __fmul_rn(sign_of(y), powf(__fdiv_rn(fabsf(y), q.c), q.k));
+    y = __fdiv_rn(y, q.s);
+  }
+  return fminf(fmaxf(y, -448.f), 448.f);
+}
+
+// The chunk holding group g, looked up only when g leaves the current one (a lane's groups only
+// grow: usually no search at all).
+template <typename G>
+struct ChunkCursor {
+  int idx = -1;
+  int64_t start = 0, end = 0, numel = 0;
+  const G* grad = nullptr;
+  __nv_bfloat16* weight = nullptr;
+  bool grad_vec = false, weight_vec = false;  // aligned for 4-element vector accesses
+
+  __device__ __forceinline__ void seek(const Args& A, int64_t g) {
+    if (g < end) return;
+    int lo = idx + 1, hi = A.nchunks - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (A.group_start[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    idx = lo;
+    start = A.group_start[lo];
+    end = A.group_start[lo + 1];
+    numel = A.numel[lo];
+    grad = reinterpret_cast<const G*>(A.grad_ptr[lo]);
+    weight = reinterpret_cast<__nv_bfloat16*>(A.weight_ptr[lo]);
+    grad_vec = reinterpret_cast<uintptr_t>(grad) % (4 * sizeof(G)) == 0;
+    weight_vec = reinterpret_cast<uintptr_t>(weight) % 8 == 0;
+  }
+};
 
 template <int FMT, typename G, bool WRITE_WEIGHT>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) adamw_kernel(const Args A) {
+__global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
+  constexpr bool FP8 = FMT >= kFp8, EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
   if (*A.found_inf != 0.f) return;  // skipped step: nothing changes (uniform over the block)
-  __shared__ float lq[FMT == kFp8ExpandFast ? 128 : 1];
-  if (FMT == kFp8ExpandFast) {  // log2f of every E4M3 magnitude: the same fp32 values torch.log2 gives
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) lq[i] = log2f(fp8_to_float((uint8_t)i));
+  __shared__ float2 tab[FAST ? 256 : 1];
+  if (FAST) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      const uint32_t mag = i & 0x7f;
+      tab[i] = make_float2(log2f(fp8_to_float(mag)), mag == 0 ? 0.f : ((i & 0x80) ? -1.f : 1.f));
+    }
     __syncthreads();
   }
   const float t = __fadd_rn(*A.step, 1.f);
   const float bc1 = __fsub_rn(1.f, powf(A.b1, t));
   const float bc2 = __fsqrt_rn(__fsub_rn(1.f, powf(A.b2, t)));
   const float coeff = *A.coeff;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, slot = lane / kLanes, sub = lane % kLanes;
+  const bool is_v = sub >= kLanes / 2;  // the moment whose per-group numbers this lane computes
+  const int64_t units = (A.num_groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
   const int64_t nwarps = (int64_t)gridDim.x * kWarpsPerBlock;
-  for (int64_t gi = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); gi < A.num_groups; gi += nwarps) {
-    int lo = 0, hi = A.nchunks - 1;  // the chunk holding group gi (few chunks: buckets)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (A.group_start[mid] <= gi) lo = mid; else hi = mid - 1;
-    }
-    const int64_t e = gi * kGroup + lane * 4;
-    const int64_t local = (gi - A.group_start[lo]) * kGroup + lane * 4;  // element within the chunk
-    const int64_t n = A.numel[lo];
-    float4 p4 = *reinterpret_cast<const float4*>(A.master + e);
-    float p[4] = {p4.x, p4.y, p4.z, p4.w};
-    float g[4], m[4], v[4];
-    load_grad<G>(reinterpret_cast<const G*>(A.grad_ptr[lo]), local, n, g);
-    MomentIO<FMT>::load(A.m, gi, e, m, lq);
-    MomentIO<FMT>::load(A.v, gi, e, v, lq);
-    const float wd = A.decay[gi] ? A.wd : 0.f;
+  ChunkCursor<G> chunk;
+  for (int64_t u = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); u < units; u += nwarps) {
+    // Past the shard's end (last unit only) a slot works on the last group and stores nothing:
+    // the shuffles below need every lane.
+    const int64_t g_slot = u * kGroupsPerWarp + slot;
+    const bool valid = g_slot < A.num_groups;
+    const int64_t g = valid ? g_slot : A.num_groups - 1;
+    chunk.seek(A, g);
+    const int64_t e = g * kGroup + sub * 4;                          // this lane's first element
+    const int64_t local = (g - chunk.start) * kGroup + sub * 4;      // the same within the chunk
+    const int64_t rem = chunk.numel - local;                         // gradient elements from there
+
+    // ---- loads: everything this lane needs, issued before any arithmetic
+    float p[kPerLane], gr[kPerLane], m[kPerLane], v[kPerLane];
+    uint32_t mq[kRuns], vq[kRuns];  // FP8 codes, 4 per run
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float gg = __fmul_rn(g[i], coeff);
+    for (int j = 0; j < kRuns; ++j) {
+      const float4 d = *reinterpret_cast<const float4*>(A.master + e + j * kRunStride);
+      p[4 * j] = d.x; p[4 * j + 1] = d.y; p[4 * j + 2] = d.z; p[4 * j + 3] = d.w;
+    }
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      const int64_t o = e + j * kRunStride;
+      if (FP8) {
+        mq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.m.data) + o);
+        vq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.v.data) + o);
+      } else if (FMT == kBf16) {
+        bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.m.data) + o), m + 4 * j);
+        bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.v.data) + o), v + 4 * j);
+      } else {
+        const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(A.m.data) + o);
+        const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(A.v.data) + o);
+        m[4 * j] = a.x; m[4 * j + 1] = a.y; m[4 * j + 2] = a.z; m[4 * j + 3] = a.w;
+        v[4 * j] = b.x; v[4 * j + 1] = b.y; v[4 * j + 2] = b.z; v[4 * j + 3] = b.w;
+      }
+    }
+    const float wd = A.decay[g] ? A.wd : 0.f;
+    // Gradients: zeros past the chunk's end; vector loads where the whole lane's runs are inside
+    // and aligned (every lane but those at a chunk's end).
+    if (chunk.grad_vec && rem >= (kRuns - 1) * kRunStride + 4) {
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        const G* ptr = chunk.grad + local + j * kRunStride;
+        if (sizeof(G) == 4) {
+          const float4 d = __ldg(reinterpret_cast<const float4*>(ptr));
+          gr[4 * j] = d.x; gr[4 * j + 1] = d.y; gr[4 * j + 2] = d.z; gr[4 * j + 3] = d.w;
+        } else {
+          bf16x4_to_float(__ldg(reinterpret_cast<const uint2*>(ptr)), gr + 4 * j);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int o = (i / 4) * kRunStride + i % 4;
+        gr[i] = o < rem ? to_float(__ldg(chunk.grad + local + o)) : 0.f;
+      }
+    }
+    // Per-group numbers of the stored moments: each lane computes them for one moment (is_v),
+    // its partner 4 lanes away for the other (absmax: only s, read directly).
+    Dq dm{1.f, 0.f, 1.f}, dv{1.f, 0.f, 1.f};
+    if (FMT == kFp8) {
+      dm.s = A.m.s[g];
+      dv.s = A.v.s[g];
+    } else if (EXPAND) {
+      const Dq mine = dequant_params<FMT>(is_v ? A.v : A.m, g, sub);
+      const Dq other{shfl4(mine.inv_k), shfl4(mine.s), shfl4(mine.c)};
+      dm = is_v ? other : mine;
+      dv = is_v ? mine : other;
+    }
+    if (FP8) {
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          m[4 * j + i] = dequant<FMT>(mq[j] >> (8 * i), dm, tab);
+          v[4 * j + i] = dequant<FMT>(vq[j] >> (8 * i), dv, tab);
+        }
+    }
+
+    // ---- AdamW, the reference's operations in its order
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float gg = __fmul_rn(gr[i], coeff);
       m[i] = __fadd_rn(__fmul_rn(m[i], A.b1), __fmul_rn(gg, A.ob1));
       v[i] = __fadd_rn(__fmul_rn(v[i], A.b2), __fmul_rn(__fmul_rn(gg, A.ob2), gg));
       const float denom = __fmul_rn(__fadd_rn(__fdiv_rn(__fsqrt_rn(v[i]), bc2), A.eps), bc1);
       const float update = __fadd_rn(__fdiv_rn(m[i], denom), __fmul_rn(p[i], wd));
       p[i] = __fsub_rn(p[i], __fmul_rn(update, A.lr));
     }
-    *reinterpret_cast<float4*>(A.master + e) = make_float4(p[0], p[1], p[2], p[3]);
-    if (WRITE_WEIGHT && A.weight_ptr[lo] != 0)
-      store_weight(reinterpret_cast<__nv_bfloat16*>(A.weight_ptr[lo]), local, n, p);
-    MomentIO<FMT>::store(A.m, A, gi, e, m, lane);
-    MomentIO<FMT>::store(A.v, A, gi, e, v, lane);
+    if (valid) {
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j)
+        *reinterpret_cast<float4*>(A.master + e + j * kRunStride) =
+            make_float4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
+      if (WRITE_WEIGHT && chunk.weight != nullptr) {
+        if (chunk.weight_vec && rem >= (kRuns - 1) * kRunStride + 4) {
+#pragma unroll
+          for (int j = 0; j < kRuns; ++j)
+            *reinterpret_cast<uint2*>(chunk.weight + local + j * kRunStride) = float4_to_bf16x4(p + 4 * j);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) {
+            const int o = (i / 4) * kRunStride + i % 4;
+            if (o < rem) chunk.weight[local + o] = __float2bfloat16_rn(p[i]);
+          }
+        }
+      }
+    }
+
+    // ---- the moments back to their format
+    if (!FP8) {
+      if (valid) {
+#pragma unroll
+        for (int j = 0; j < kRuns; ++j) {
+          const int64_t o = e + j * kRunStride;
+          if (FMT == kBf16) {
+            *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(A.m.data) + o) = float4_to_bf16x4(m + 4 * j);
+            *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(A.v.data) + o) = float4_to_bf16x4(v + 4 * j);
+          } else {
+            *reinterpret_cast<float4*>(static_cast<float*>(A.m.data) + o) =
+                make_float4(m[4 * j], m[4 * j + 1], m[4 * j + 2], m[4 * j + 3]);
+            *reinterpret_cast<float4*>(static_cast<float*>(A.v.data) + o) =
+                make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+          }
+        }
+      }
+      continue;
+    }
+    // Group max and true nonzero min of |m| and |v|: over the lane's 16 elements, then across
+    // the group's 8 lanes. The first exchange (4 lanes apart) also splits the work: lanes 0-3
+    // keep m's values and lanes 4-7 v's, so each lane ends with one moment's pair.
+    float mx_m = 0.f, mn_m = CUDART_INF_F, mx_v = 0.f, mn_v = CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float a = fabsf(m[i]), b = fabsf(v[i]);
+      mx_m = fmaxf(mx_m, a);
+      mx_v = fmaxf(mx_v, b);
+      if (a > 0.f) mn_m = fminf(mn_m, a);  // the true nonzero minimum: zeros never enter
+      if (b > 0.f) mn_v = fminf(mn_v, b);
+    }
+    float mx = fmaxf(is_v ? mx_v : mx_m, shfl4(is_v ? mx_m : mx_v));
+    float mn = fminf(is_v ? mn_v : mn_m, shfl4(is_v ? mn_m : mn_v));
+#pragma unroll
+    for (int off = 2; off > 0; off >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+    }
+    const Q mine = group_stats<FMT>(mx, mn, A, sub);
+    Q other = mine;
+    if (EXPAND) {
+      other.k = shfl4(mine.k);
+      if (FAST) {
+        other.a = shfl4(mine.a);
+      } else {
+        other.s = shfl4(mine.s);
+        other.c = shfl4(mine.c);
+      }
+    } else {
+      other.s = shfl4(mine.s);
+    }
+    const Q qm = is_v ? other : mine, qv = is_v ? mine : other;
+    if (valid) {
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        const int i = 4 * j;
+        const int64_t o = e + j * kRunStride;
+        const uint32_t cm = float2_to_fp8x2(quant<FMT>(m[i], qm), quant<FMT>(m[i + 1], qm)) |
+                            float2_to_fp8x2(quant<FMT>(m[i + 2], qm), quant<FMT>(m[i + 3], qm)) << 16;
+        const uint32_t cv = float2_to_fp8x2(quant<FMT>(v[i], qv), quant<FMT>(v[i + 1], qv)) |
+                            float2_to_fp8x2(quant<FMT>(v[i + 2], qv), quant<FMT>(v[i + 3], qv)) << 16;
+        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.m.data) + o) = cm;
+        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.v.data) + o) = cv;
+      }
+      if (sub % (kLanes / 2) == 0) {  // lane 0 of the group writes m's numbers, lane 4 v's
+        const Moment& M = is_v ? A.v : A.m;
+        M.s[g] = mine.s;
+        if (EXPAND) {
+          M.k[g] = mine.k;
+          M.c[g] = mine.c;
+        }
+      }
+    }
   }
 }
 
 template <int FMT, typename G, bool W>
 void launch(const Args& A, cudaStream_t stream) {
   if (A.num_groups == 0) return;
-  int64_t blocks = (A.num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  blocks = blocks > (1 << 30) ? (1 << 30) : blocks;
-  adamw_kernel<FMT, G, W><<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(A);
+  // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard).
+  static const int per_sm = [] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W>, kThreads, 0));
+    return std::max(n, 1);
+  }();
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t units = (A.num_groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
+  const int64_t blocks = std::min<int64_t>((units + kWarpsPerBlock - 1) / kWarpsPerBlock, (int64_t)per_sm * sms);
+  adamw_kernel<FMT, G, W><<<(unsigned)blocks, kThreads, 0, stream>>>(A);
 }
 
 template <int FMT>
