@@ -104,7 +104,8 @@ def test_swiglu_reference_vs_float64():
     assert amax.item() == p.double().abs().max().item()
     assert hq.shape == (3, 7, 2, 40) and hs.shape == (3, 7, 2, 3)
     dp = _data((3, 7, 40), 10)
-    dh = A.swiglu_bwd_reference(dp, hq, hs)
+    dh, dh_amax = A.swiglu_bwd_reference(dp, hq, hs)
+    assert dh_amax.item() == dh.double().abs().max().item()  # of dh as rounded: what the linear's cast reads
     hd = fp8.dequantize_1x16(hq, hs, torch.float64).reshape(3, 7, 80).requires_grad_(True)
     gg, uu = hd[..., :40], hd[..., 40:]
     (F.silu(gg) * uu).backward(dp.double())

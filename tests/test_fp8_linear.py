@@ -174,3 +174,31 @@ def test_recipe_caches_weights_only_with_several_micro_batches():
     assert e4.fp8.grad_format == "e4m3" and not e4.fp8.fp8_activations and e4.log_name == "fp8 (e4m3, tensorwise)"
     with pytest.raises(ValueError, match="needs bf16"):
         resolve_precision(TrainingConfig(fp32=True), torch.device("cpu"), precision=pr)
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 64, 2 * 48), (7, 1, 24, 2 * 40)])  # (s, b, in, 2 * ffn); odd shapes too
+def test_fused_swiglu_equals_linear_then_swiglu(shape):
+    """fc1 with activation="swiglu" is the same computation as fc1 followed by fp8_swiglu: identical
+    outputs, amax and gradients (the fused node only hands the linear's backward the amax of its
+    output gradient instead of reducing it again: max is exact, so the codes are the same)."""
+    from megacoat.precision.activations import fp8_swiglu
+    s, b, k, n = shape
+    x0 = _data((s, b, k), 30)
+    w0 = _data((n, k), 31, scale=0.05)
+    bias0 = _data((n,), 32)
+    gp = _data((s, b, n // 2), 33)
+    runs = []
+    for fused in (False, True):
+        x, w, bias = (t.clone().requires_grad_(True) for t in (x0, w0, bias0))
+        if fused:
+            p, amax = fp8_linear(x, w, bias, Fp8WeightCache("e4m3"), COAT, activation="swiglu")
+        else:
+            p, amax = fp8_swiglu(fp8_linear(x, w, bias, Fp8WeightCache("e4m3"), COAT))
+        p.backward(gp)
+        runs.append((p.detach(), amax, x.grad, w.grad, bias.grad))
+    for a, b_ in zip(*runs):
+        assert torch.equal(a, b_)
+    with pytest.raises(ValueError, match="coat recipe"):
+        fp8_linear(x0, w0, None, Fp8WeightCache("e4m3"), TENSORWISE, activation="swiglu")
+    with pytest.raises(ValueError, match="unknown fused activation"):
+        fp8_linear(x0, w0, None, Fp8WeightCache("e4m3"), COAT, activation="gelu")

@@ -55,7 +55,8 @@ for rms in (True, False):
                                                              EPS=1e-12, BR=4, BG=32), 4)
 comp(A.swiglu_fwd_kernel, dict(h_ptr=bf, p_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32),
      dict(FMAX=448.0, EPS=1e-12, BM=16, BG=16))
-comp(A.swiglu_bwd_kernel, dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, M=i32, F=i32, G=i32), dict(BM=16, BG=16))
+comp(A.swiglu_bwd_kernel, dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32),
+     dict(BM=16, BG=16))
 for kind in (0, 1):
     comp(A.act_fwd_kernel, dict(h_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, K=i32, G=i32),
          dict(KIND=kind, FMAX=448.0, EPS=1e-12, BM=16, BG=16))

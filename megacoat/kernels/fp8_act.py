@@ -110,14 +110,16 @@ def swiglu_fwd(h):
 
 
 def swiglu_bwd(dp, hq, hs):
+    """-> (dh, max |dh|)."""
     f = dp.shape[-1]
     dp2 = dp.view(-1, f)
     m, g = dp2.shape[0], triton_cdiv(f, 16)
     dh = torch.empty((m, 2 * f), dtype=dp.dtype, device=dp.device)
+    amax = torch.zeros((), dtype=torch.float32, device=dp.device)
     bm, bg, warps, grid = _ew_grid(m, g)
-    _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, m, f, g,
-                                 BM=bm, BG=bg, num_warps=warps)
-    return dh.view(*dp.shape[:-1], 2 * f)
+    _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, amax, m, f,
+                                 g, BM=bm, BG=bg, num_warps=warps)
+    return dh.view(*dp.shape[:-1], 2 * f), amax
 
 
 def act_fwd(h, kind: str):

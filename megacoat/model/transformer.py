@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, InitSpec, RowParallelLinear, mark_sequence_parallel, register_replicated
 from ..parallel.mappings import group_size
 from ..parallel.random import RNGTracker
-from ..precision.activations import fp8_activation, fp8_norm, fp8_swiglu
+from ..precision.activations import fp8_activation, fp8_norm
 from ..precision.linear import Fp8LinearImpl
 from ..precision.recipe import Fp8Recipe
 from .recompute import recompute
@@ -164,9 +164,12 @@ class MLP(nn.Module):
 
     def forward(self, x, x_amax=None):
         if self.lc.coat:
-            # Fused FP8 activations: save FP8 1x16 copies, hand fc2 the product and its amax.
-            h = self.fc1(x, x_amax=x_amax)
-            p, p_amax = fp8_swiglu(h) if self.swiglu else fp8_activation(h, "gelu")
+            # Fused FP8 activations: save FP8 1x16 copies, hand fc2 the product and its amax. The SwiGLU
+            # runs inside fc1's autograd node, which then gets its output gradient's amax for free.
+            if self.swiglu:
+                p, p_amax = self.fc1(x, x_amax=x_amax, activation="swiglu")
+            else:
+                p, p_amax = fp8_activation(self.fc1(x, x_amax=x_amax), "gelu")
             return self.fc2(p, x_amax=p_amax)
         h = self.fc1(x, x_amax=x_amax)
         if self.swiglu:

@@ -165,10 +165,15 @@ class ColumnParallelLinear(nn.Module):
     _set_linear_impl = _set_linear_impl
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                x_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes)."""
+                x_amax: Optional[torch.Tensor] = None, activation: Optional[str] = None):
+        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes).
+        `activation`: an activation the implementation fuses into this layer (FP8 coat: "swiglu", which
+        returns (output, its amax)); only with the implementation and a rank-local output."""
+        if activation is not None and (self.linear_impl is None or weight is not None or self.gather_output):
+            raise ValueError(f"{self.weight.global_name}: a fused activation needs the layer's own FP8 implementation and weight "
+                             "and a rank-local output (gather_output=False)")
         if self.linear_impl is not None and weight is None:
-            return self._forward_impl(x, x_amax)
+            return self._forward_impl(x, x_amax, activation)
         w = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -179,12 +184,13 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_tp_region(y, self.tp_group)
         return y
 
-    def _forward_impl(self, x, x_amax):
+    def _forward_impl(self, x, x_amax, activation=None):
         tp = group_size(self.tp_group)
         if self.sequence_parallel and self.linear_impl.gathers_fp8(True):
             # The implementation gathers the (FP8) input itself, with one scale for the whole group.
             y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
-                                 sp_group=self.tp_group if tp > 1 else None, fuse_wgrad=self.fuse_wgrad)
+                                 sp_group=self.tp_group if tp > 1 else None, fuse_wgrad=self.fuse_wgrad,
+                                 activation=activation)
         else:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -192,7 +198,7 @@ class ColumnParallelLinear(nn.Module):
             else:
                 x = copy_to_tp_region(x, self.tp_group)
             y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
-                                 fuse_wgrad=self.fuse_wgrad)
+                                 fuse_wgrad=self.fuse_wgrad, activation=activation)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y

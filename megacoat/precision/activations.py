@@ -110,6 +110,8 @@ def swiglu_fwd_reference(h: torch.Tensor):
 
 
 def swiglu_bwd_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
+    """-> (dh, max |dh|): dh is the output gradient of the FP8 linear before the SwiGLU, which casts it
+    per tensor with this amax."""
     h2 = dequantize_1x16_reference(hq, hs, torch.float32)
     gate, up = h2[..., 0, :], h2[..., 1, :]
     g = dp.float()
@@ -117,7 +119,8 @@ def swiglu_bwd_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
     silu = gate * sig
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
     dup = g * silu
-    return torch.stack([dgate, dup], dim=-2).reshape(*dp.shape[:-1], 2 * dp.shape[-1]).to(dp.dtype)
+    dh = torch.stack([dgate, dup], dim=-2).reshape(*dp.shape[:-1], 2 * dp.shape[-1]).to(dp.dtype)
+    return dh, _amax_of(dh)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -241,14 +244,14 @@ def _(h):
             h.new_empty((*lead, 2, (f + 15) // 16), dtype=torch.bfloat16))
 
 
-def _swiglu_bwd_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if _kernel_ok(dp, hq, hs):
         return act_kernels.swiglu_bwd(dp.contiguous(), hq, hs)
     return swiglu_bwd_reference(dp, hq, hs)
 
 
 @torch.library.triton_op("megacoat::fp8_swiglu_bwd", mutates_args=())
-def _swiglu_bwd_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return _swiglu_bwd_impl(dp, hq, hs)
 
 
@@ -259,7 +262,7 @@ def _swiglu_bwd(dp, hq, hs):
 
 @_swiglu_bwd_op.register_fake
 def _(dp, hq, hs):
-    return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1]))
+    return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1])), dp.new_empty((), dtype=torch.float32)
 
 
 def _act_fwd_impl(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -352,7 +355,19 @@ class _Fp8SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dp, _g_amax):
         hq, hs = ctx.saved_tensors
-        return _swiglu_bwd(dp, hq, hs)
+        return _swiglu_bwd(dp, hq, hs)[0]
+
+
+def swiglu_forward_saving_fp8(h: torch.Tensor):
+    """The fused SwiGLU forward for a caller that does its own autograd (the FP8 linear with a fused
+    activation): -> (p, p_amax, hq, hs), hq/hs to be saved for `swiglu_backward_with_amax`."""
+    _split_gate_up(h)
+    return _swiglu_fwd(h)
+
+
+def swiglu_backward_with_amax(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
+    """-> (dh, max |dh|) from the saved FP8 gate and up."""
+    return _swiglu_bwd(dp, hq, hs)
 
 
 def fp8_swiglu(h: torch.Tensor):

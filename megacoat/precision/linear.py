@@ -43,6 +43,7 @@ from torch import nn
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import group_size
 from . import fp8
+from .activations import swiglu_backward_with_amax, swiglu_forward_saving_fp8
 from .recipe import Fp8Recipe
 
 
@@ -203,6 +204,7 @@ class _Opts:
     sp_group: object         # column-parallel input gathered over this group (SP), or None
     has_main_grad: bool
     hw_gemm: bool            # the device has FP8 GEMMs (decided outside compiled code)
+    activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
 
 
 def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
@@ -248,26 +250,38 @@ class _Fp8LinearFn(torch.autograd.Function):
         y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm)
         if bias is not None:
             y = y + bias
+        act_saved = (None, None)
+        if opts.activation == "swiglu":
+            # The SwiGLU in the same autograd node: its backward hands this linear's backward the amax
+            # of the output gradient it produced, so that cast needs no amax pass.
+            y, y_amax, hq, hs = swiglu_forward_saving_fp8(y)
+            act_saved = (hq, hs)
         # coat: the transposed FP8 copy; tensorwise: the bf16 input (gathered in bf16 by the layer
         # under SP, as Megatron saves it) and its amax (backward recasts it with the same scale).
         ctx.save_for_backward(xqt if opts.save_fp8 else x2, sx, amax if not opts.save_fp8 else None,
-                              weight if transient else wqt, w_scale, w_amax)
+                              weight if transient else wqt, w_scale, w_amax, *act_saved)
         ctx.transient = transient
         # Not saved tensors: other micro-batches write into them between this forward and its backward.
         ctx.main_grad, ctx.overwrite = main_grad, overwrite
         ctx.opts, ctx.has_bias, ctx.in_shape = opts, bias is not None, x.shape
         ctx.w_meta = (weight.shape, weight.dtype)
+        if opts.activation is not None:
+            ctx.mark_non_differentiable(y_amax)
+            return y.view(*lead, y.shape[-1]), y_amax
         return y.view(*lead, y.shape[-1])
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_g_amax):
         opts = ctx.opts
-        x_saved, sx, x_amax, wqt, w_scale, w_amax = ctx.saved_tensors
+        x_saved, sx, x_amax, wqt, w_scale, w_amax, hq, hs = ctx.saved_tensors
+        g_amax = None
+        if opts.activation == "swiglu":
+            g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
             _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True)
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
-        gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True)
+        gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
         dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm)
         if opts.sp_group is not None:
             dx = _reduce_scatter_rows(dx, opts.sp_group)
@@ -287,9 +301,15 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
                recipe: Fp8Recipe, x_amax: Optional[torch.Tensor] = None, sp_group=None,
-               fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None) -> torch.Tensor:
+               fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None, activation: Optional[str] = None):
     """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
-    `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8)."""
+    `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8).
+    `activation="swiglu"` (coat): returns (silu(gate) * up of y = [gate; up], its amax) through the fused
+    FP8 SwiGLU, whose backward gives this linear its output gradient's amax."""
+    if activation not in (None, "swiglu"):
+        raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
+    if activation is not None and not recipe.fp8_activations:
+        raise ValueError("the FP8 linear's fused SwiGLU saves FP8 activations: it belongs to the coat recipe")
     if not fp8.is_compiling() and cache.needs_refresh(weight):  # compiled callers refresh beforehand
         cache.refresh(weight)
     if hw_gemm is None:
@@ -300,7 +320,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             and torch.is_grad_enabled())
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
-    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm)
+    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm, activation)
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
                               main_grad if fuse else None, overwrite if fuse else None, opts)
 
@@ -321,9 +341,9 @@ class Fp8LinearImpl:
         """Under SP, coat gathers the FP8 codes itself; tensorwise gathers bf16 (and saves it)."""
         return sequence_parallel and self.recipe.fp8_activations
 
-    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False):
+    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False, activation=None):
         return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
-                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm)
+                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation)
 
 
 def _fp8_caches(module: nn.Module):

@@ -158,7 +158,9 @@ def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G,
 
 
 @triton.jit
-def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr):
+def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr):
+    """dh = [dgate; dup] from the saved FP8 gate and up; also max |dh| (as rounded) into amax_ptr:
+    dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass)."""
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     groups = pid_g * BG + tl.arange(0, BG)
@@ -175,8 +177,11 @@ def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, M, F, G, BM: tl.constexpr, 
     sig = tl.sigmoid(gate)
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
     dup = g * gate * sig
-    tl.store(dh_ptr + off2, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptr + off2 + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+    dgate = dgate.to(dh_ptr.dtype.element_ty)
+    dup = dup.to(dh_ptr.dtype.element_ty)
+    tl.store(dh_ptr + off2, dgate, mask=mask)
+    tl.store(dh_ptr + off2 + F, dup, mask=mask)
+    tl.atomic_max(amax_ptr, tl.max(tl.maximum(_tile_amax(dgate, mask), _tile_amax(dup, mask)), axis=0))
 
 
 @triton.jit
