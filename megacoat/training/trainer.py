@@ -116,7 +116,11 @@ def consumed_valid_samples(cfg: MegacoatConfig, iteration: int) -> int:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    out = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    # From pageable memory a "non-blocking" copy may make the host wait for the stream (the queued
+    # step): staged through pinned memory (torch's caching host allocator) it is truly asynchronous.
+    pin = device.type == "cuda"
+    out = {k: ((v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=True)
+               if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     if out.get("document_ids") is not None:  # --reset-attention-mask: build the mask where it is used
         out["attention_mask"] = block_causal_mask(out["document_ids"])
     return out
