@@ -11,6 +11,11 @@
              of the same bytes (what the memory system delivers); the issue's target for FP8 with
              expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
              faster than torch.optim.AdamW(fused=True) with fp32 states).
+  variants   every kernel case above under every work distribution of the kernel (csrc/fused_adamw.cu
+             Variant0-3, same operations; 0 the default, used by `kernels`): ms and % of HBM per
+             case x variant, and for each variant its state after a few steps (masters, weights,
+             codes, s/k/c) equal bit for bit to variant 0's, per format and gradient dtype, on
+             chunks not multiples of 128 with misaligned gradients.
   agreement  on the GPU, fast vs exact form after 20 steps of the kernel from the same start:
              identical codes, max code distance, identical k, parameter difference.
   memory     optimizer-state bytes per parameter of each format.
@@ -35,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megacoat.config import OptimizerConfig  # noqa: E402
-from megacoat.optim.fp8_adam import (GROUP, Chunk, MomentState, PrecisionAwareAdamW, dequantize_groups,  # noqa: E402
-                                     fused_extension, group_stats, quantize_groups)
+from megacoat.optim.fp8_adam import (GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,  # noqa: E402
+                                     decay_table, dequantize_groups, fused_extension, group_stats, quantize_groups)
 
 HBM_GBPS = 4300.0
 
@@ -80,18 +85,25 @@ def codec_case(n: int, fmt: str, expand: bool, grad_dtype, use_kernel=True, fast
     return codec, grad
 
 
+CASES = [("fp8_expand_bf16grad", "fp8", True, torch.bfloat16, True),
+         ("fp8_expand_fp32grad", "fp8", True, torch.float32, True),
+         ("fp8_expand_exact_bf16grad", "fp8", True, torch.bfloat16, False),
+         ("fp8_absmax_bf16grad", "fp8", False, torch.bfloat16, True),
+         ("bf16_states_bf16grad", "bf16", True, torch.bfloat16, True),
+         ("fp32_states_fp32grad", "fp32", True, torch.float32, True),
+         ("fp32_states_bf16grad", "fp32", True, torch.bfloat16, True)]
+# As in csrc/fused_adamw.cu (registers: ptxas for sm_90a, no spills in any).
+VARIANT_NAMES = {0: "8 lanes x 16 elements per group, 4 groups/warp, 2 blocks/SM (<= 128 regs)",
+                 1: "variant 0 + L2 bulk prefetch of the warp's next unit",
+                 2: "16 lanes x 8 elements per group, 2 groups/warp, 3 blocks/SM (<= 85 regs)",
+                 3: "variant 2 + L2 bulk prefetch of the warp's next unit"}
+
+
 def bench_kernels(n: int, iters: int, out: dict) -> None:
     if fused_extension() is None:
         raise RuntimeError("the fused AdamW extension did not build")
-    cases = [("fp8_expand_bf16grad", "fp8", True, torch.bfloat16, True),
-             ("fp8_expand_fp32grad", "fp8", True, torch.float32, True),
-             ("fp8_expand_exact_bf16grad", "fp8", True, torch.bfloat16, False),
-             ("fp8_absmax_bf16grad", "fp8", False, torch.bfloat16, True),
-             ("bf16_states_bf16grad", "bf16", True, torch.bfloat16, True),
-             ("fp32_states_fp32grad", "fp32", True, torch.float32, True),
-             ("fp32_states_bf16grad", "fp32", True, torch.bfloat16, True)]
     norm = torch.tensor(0.5, device="cuda")
-    for name, fmt, expand, gd, fast in cases:
+    for name, fmt, expand, gd, fast in CASES:
         try:
             codec, _ = codec_case(n, fmt, expand, gd, fast=fast)
             assert codec.ext is not None
@@ -122,6 +134,102 @@ def bench_kernels(n: int, iters: int, out: dict) -> None:
                                     "meets_1ms": per_256m <= 1.0, "meets_60pct": fast["frac_of_hbm"] >= 0.6}
         print(f"target (FP8 expand, bf16 grads): {per_256m:.3f} ms per 256M (<= 1.0), "
               f"{100 * fast['frac_of_hbm']:.0f}% of HBM (>= 60%)", flush=True)
+
+
+def bench_variants(n: int, iters: int, out: dict) -> None:
+    """The bit-for-bit check of each variant against variant 0 (first: small, so a failing variant
+    shows there), then every case x every variant on the same codec (same data), each variant
+    timed twice (order 0..V-1, then back) keeping the faster median, so drift favours none."""
+    if fused_extension() is None:
+        raise RuntimeError("the fused AdamW extension did not build")
+    out["names"] = {str(v): VARIANT_NAMES.get(v, "") for v in range(KERNEL_VARIANTS)}
+    out["bit_identical_to_variant0"] = variants_bit_identical()
+    norm = torch.tensor(0.5, device="cuda")
+    variants = list(range(KERNEL_VARIANTS))
+    timing = out["timing"] = {}
+    for name, fmt, expand, gd, fast in CASES:
+        row = timing[name] = {}
+        try:
+            codec, _ = codec_case(n, fmt, expand, gd, fast=fast)
+            assert codec.ext is not None
+            nbytes = step_bytes(fmt, torch.tensor([], dtype=gd).element_size()) * n
+            best = {}
+            for v in variants + variants[::-1]:
+                codec.variant = v
+                best[v] = min(best.get(v, float("inf")), timed(lambda: codec.step(1e-3, norm), iters))
+            for v in variants:
+                row[str(v)] = {"ms": best[v], "frac_of_hbm": nbytes / best[v] / 1e6 / HBM_GBPS}
+            row["fastest"] = min(variants, key=lambda v: best[v])
+            del codec
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"variants {name}: FAILED {e}", flush=True)
+        torch.cuda.empty_cache()
+    print(f"{'case':28s}" + "".join(f"{'variant ' + str(v):>17s}" for v in variants) + "  fastest", flush=True)
+    for name, row in timing.items():
+        if "error" in row:
+            continue
+        cells = "".join(f"{row[str(v)]['ms']:8.3f} ms {100 * row[str(v)]['frac_of_hbm']:3.0f}% " for v in variants)
+        print(f"{name:28s}{cells}  {row['fastest']}", flush=True)
+
+
+def variants_bit_identical(steps: int = 4) -> dict:
+    """Per format and gradient dtype: each variant's state after `steps` steps equal to variant
+    0's, from the same start and gradients (several chunks, none a multiple of 128, gradients at
+    an odd offset: the scalar paths and chunk ends; clipping and exact zeros on some steps)."""
+    sizes = [3_000_001, 77, 4099, 131_077]
+    res = {}
+    for tag, fmt, expand, fast in (("fp8_expand", "fp8", True, True), ("fp8_expand_exact", "fp8", True, False),
+                                   ("fp8_absmax", "fp8", False, True), ("bf16_states", "bf16", True, True),
+                                   ("fp32_states", "fp32", True, True)):
+        for gd in (torch.bfloat16, torch.float32):
+            key = f"{tag}_{'bf16' if gd == torch.bfloat16 else 'fp32'}grad"
+            try:
+                states = []
+                for v in range(KERNEL_VARIANTS):
+                    codec, grad_buf = variant_codec(sizes, fmt, expand, fast, gd)
+                    codec.variant = v
+                    gen = torch.Generator(device="cuda").manual_seed(1)
+                    for t in range(steps):
+                        x = torch.randn(grad_buf.numel(), generator=gen, device="cuda") * 10.0 ** (-(t % 4))
+                        if t == 2:
+                            x[7:5000] = 0
+                        grad_buf.copy_(x.to(gd))
+                        codec.step(1e-3, grad_buf.float().norm())
+                    states.append([codec.master, codec.step_count] + codec.m.tensors() + codec.v.tensors()
+                                  + [c.weight for c in codec.chunks])
+                res[key] = {str(v): all(torch.equal(a, b) for a, b in zip(states[0], states[v]))
+                            for v in range(1, KERNEL_VARIANTS)}
+            except Exception as e:  # noqa: BLE001
+                res[key] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"bit-identical to variant 0 ({key}): {res[key]}", flush=True)
+            torch.cuda.empty_cache()
+    res["all"] = all(ok is True for r in res.values() for ok in r.values())
+    return res
+
+
+def variant_codec(sizes, fmt, expand, fast, grad_dtype):
+    """A codec over chunks of `sizes` elements (padded to groups), gradients at offset 3 of one
+    buffer, weights written; the same masters for every call."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    offsets, n = [], 0
+    for s in sizes:
+        offsets.append(n)
+        n += -(-s // GROUP) * GROUP
+    master = torch.zeros(n, device=dev)
+    grad_buf = torch.zeros(sum(sizes) + 3, dtype=grad_dtype, device=dev)
+    chunks, pos = [], 3
+    for s, off in zip(sizes, offsets):
+        master[off: off + s] = torch.randn(s, generator=gen, device=dev) * 0.02
+        chunks.append(Chunk(off, off + -(-s // GROUP) * GROUP, grad_buf[pos: pos + s],
+                            torch.zeros(s, dtype=torch.bfloat16, device=dev)))
+        pos += s
+    decay = decay_table([(off, s, i % 2 == 0) for i, (off, s) in enumerate(zip(offsets, sizes))], n, dev)
+    cfg = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
+    codec = PrecisionAwareAdamW(master, chunks, decay, cfg, fmt, fmt, expand=expand, fast_expansion=fast)
+    assert codec.ext is not None
+    return codec, grad_buf
 
 
 def bench_fast_vs_exact(n: int, steps: int, out: dict) -> None:
@@ -263,7 +371,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--skip-compiled", action="store_true")
+    ap.add_argument("--parts", default="", help="comma-separated subset of kernels,variants,torch_adamw,"
+                    "fast_vs_exact,compiled_reference,quantization_error (default: all)")
     args = ap.parse_args()
+    want = set(filter(None, args.parts.split(",")))
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     n = args.elements // GROUP * GROUP
@@ -278,10 +389,12 @@ def main() -> None:
                                     for a, b in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
     print("optimizer-state bytes per parameter:", res["state_bytes_per_param"], flush=True)
     parts = [("kernels", lambda r: bench_kernels(n, args.iters, r)),
+             ("variants", lambda r: bench_variants(n, args.iters, r)),
              ("torch_adamw", lambda r: bench_torch_adamw(n, args.iters, r)),
              ("fast_vs_exact", lambda r: bench_fast_vs_exact(min(n, 16 * 2 ** 20), 20, r))]
     if not args.skip_compiled:
         parts.append(("compiled_reference", lambda r: bench_compiled_reference(n, max(3, args.iters // 4), r)))
+    parts = [p for p in parts if not want or p[0] in want]
     for name, fn in parts:
         res[name] = {}
         t0 = time.time()
@@ -299,21 +412,23 @@ def main() -> None:
         res["kernels"]["target_fp8_expand"]["faster_than_torch_fused_fp32"] = fp8["ms"] < torch_fused["ms"]
         print(f"FP8 expand (bf16 grads) {fp8['ms']:.3f} ms vs torch AdamW(fused) fp32 {torch_fused['ms']:.3f} ms",
               flush=True)
-    try:
-        t0 = time.time()
-        moments, losses = small_gpt_moments(args.train_steps)
-        err = quantization_error(moments)
-        err["moments_from"] = (f"megacoat GPT 4 layers x 512, vocab 4096, seq 256, batch 16, {args.train_steps} steps "
-                               "of torch AdamW (fp32 states, bf16 autocast) on synthetic Markov-chain tokens")
-        err["loss_first_last"] = [losses[0], losses[-1]]
-        err["wall_s"] = time.time() - t0
-        res["quantization_error"] = err
-        print(f"m/sqrt(v) MSE: absmax {err['absmax']['mse']:.4g}, expand {err['expand']['mse']:.4g} "
-              f"(fast form {err['expand_fast']['mse']:.4g}), ratio "
-              f"{err['ratio_expand_over_absmax']:.3f} (COAT: 0.61; target <= 0.65)", flush=True)
-    except Exception as e:  # noqa: BLE001
-        res["quantization_error"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        print(f"quantization error: FAILED {e}", flush=True)
+    if not want or "quantization_error" in want:
+        try:
+            t0 = time.time()
+            moments, losses = small_gpt_moments(args.train_steps)
+            err = quantization_error(moments)
+            err["moments_from"] = (f"megacoat GPT 4 layers x 512, vocab 4096, seq 256, batch 16, {args.train_steps} "
+                                   "steps of torch AdamW (fp32 states, bf16 autocast) on synthetic Markov-chain tokens")
+            err["loss_first_last"] = [losses[0], losses[-1]]
+            err["wall_s"] = time.time() - t0
+            res["quantization_error"] = err
+            print(f"m/sqrt(v) MSE: absmax {err['absmax']['mse']:.4g}, expand {err['expand']['mse']:.4g} "
+                  f"(fast form {err['expand_fast']['mse']:.4g}), ratio "
+                  f"{err['ratio_expand_over_absmax']:.3f} (COAT: 0.61; target <= 0.65)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["quantization_error"] = {"error": f"{type(e).__name__}: {e}",
+                                         "trace": traceback.format_exc()[-3000:]}
+            print(f"quantization error: FAILED {e}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -41,11 +41,31 @@ namespace {
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * 32;
-constexpr int kLanes = 8;                    // lanes per group
-constexpr int kGroupsPerWarp = 32 / kLanes;  // groups per warp and loop iteration (a unit)
-constexpr int kRuns = 4;                     // per lane: runs of 4 contiguous elements, 32 apart
-constexpr int kPerLane = 4 * kRuns;          // 16 elements per lane
-constexpr int kRunStride = kGroup / kRuns;   // 32 elements between a lane's runs
+
+// Variants (the `variant` argument of adamw_step): the same operations per element and per group
+// (bit-identical results), another work distribution, to trade ILP against occupancy on the GPU:
+//   LANES    lanes per group (8: 16 elements per lane, 4 groups per warp and iteration; 16: 8
+//            elements per lane, 2 groups: about half the registers, per-group work on twice the lanes)
+//   MIN_BLOCKS  __launch_bounds__ minimum blocks per SM (register cap 65536 / (256 MIN_BLOCKS))
+//   PREFETCH lane 0 asks L2 for the warp's next unit (bulk prefetch, no registers) before loading
+//            the current one: its DRAM latency overlaps this unit's arithmetic
+template <int LANES, int MIN_BLOCKS, bool PREFETCH>
+struct Variant {
+  static_assert(LANES == 8 || LANES == 16, "8 or 16 lanes per group");
+  static constexpr int kLanes = LANES;
+  static constexpr int kMinBlocks = MIN_BLOCKS;
+  static constexpr bool kPrefetch = PREFETCH;
+  static constexpr int kGroupsPerWarp = 32 / LANES;  // groups per warp and loop iteration (a unit)
+  static constexpr int kRuns = 32 / LANES;           // per lane: runs of 4 contiguous elements
+  static constexpr int kPerLane = 4 * kRuns;         // elements per lane
+  static constexpr int kRunStride = kGroup / kRuns;  // elements between a lane's runs
+};
+// 0 is the default (the design above); numbers measured on the H200 in benchmarks/optimizer_bench.py.
+using Variant0 = Variant<8, 2, false>;
+using Variant1 = Variant<8, 2, true>;
+using Variant2 = Variant<16, 3, false>;
+using Variant3 = Variant<16, 3, true>;
+constexpr int kNumVariants = 4;
 
 // kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
 // codes); kFp8ExpandFast: the same statistics, codes as exp2(k log2|x| - (k log2 c + log2 s)) and
@@ -94,7 +114,19 @@ __device__ __forceinline__ uint32_t float2_to_fp8x2(float x, float y) {
   return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
 }
 
-__device__ __forceinline__ float shfl4(float x) { return __shfl_xor_sync(0xffffffffu, x, 4); }
+// The lane `d` away (xor): with d = LANES / 2 the partner that holds the other moment.
+template <int D>
+__device__ __forceinline__ float shfl(float x) { return __shfl_xor_sync(0xffffffffu, x, D); }
+
+// Ask L2 for [p, p + bytes) (sm_90 bulk prefetch, a hint: nothing waits for it). Rounded out to
+// 16 bytes as the instruction needs; the rounding stays inside the same 16-byte block, so inside
+// the allocation's pages.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if (bytes <= 0) return;
+  const uint64_t a = reinterpret_cast<uintptr_t>(p) & ~uint64_t(15);
+  const uint64_t e = (reinterpret_cast<uintptr_t>(p) + (uint64_t)bytes + 15) & ~uint64_t(15);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((uint32_t)(e - a)) : "memory");
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -122,9 +154,9 @@ struct Q {
   float s, k, c, a;
 };
 
-// The lane's moment's numbers for group g. FAST: the 4 lanes of a (group, moment) share the two
-// log2f, lanes 2-3 taking log2 c, lanes 0-1 log2 s (the same calls on the same inputs).
-template <int FMT>
+// The lane's moment's numbers for group g. FAST: the LANES/2 lanes of a (group, moment) share the
+// two log2f, the upper half taking log2 c, the lower log2 s (the same calls on the same inputs).
+template <int FMT, int Q4>
 __device__ __forceinline__ Dq dequant_params(const Moment& M, int64_t g, int sub) {
   constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
   Dq d{1.f, M.s[g], 1.f};
@@ -133,8 +165,8 @@ __device__ __forceinline__ Dq dequant_params(const Moment& M, int64_t g, int sub
     d.c = M.c[g];
   }
   if (FAST) {
-    const bool hi = sub & 2;
-    const float l = log2f(hi ? d.c : d.s), lo = __shfl_xor_sync(0xffffffffu, l, 2);
+    const bool hi = sub & Q4;
+    const float l = log2f(hi ? d.c : d.s), lo = shfl<Q4>(l);
     d.s = hi ? lo : l;
     d.c = hi ? l : lo;
   }
@@ -155,8 +187,8 @@ __device__ __forceinline__ float dequant(uint32_t b, const Dq& d, const float2* 
 }
 
 // New statistics of a group from its max and true nonzero min of |x| (DESIGN 5.4, capped k).
-// FAST: log2 c (for a) and log2 R share one log2f over the 4 lanes of the (group, moment).
-template <int FMT>
+// FAST: log2 c (for a) and log2 R share one log2f over the lanes of the (group, moment).
+template <int FMT, int Q4>
 __device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int sub) {
   constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
   mx = __fadd_rn(mx, A.tiny);
@@ -167,8 +199,8 @@ __device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int 
     const float r = __fdiv_rn(mx, mn);
     float log2r, log2c = 0.f;
     if (FAST) {
-      const bool hi = sub & 2;
-      const float l = log2f(hi ? q.c : r), lo = __shfl_xor_sync(0xffffffffu, l, 2);
+      const bool hi = sub & Q4;
+      const float l = log2f(hi ? q.c : r), lo = shfl<Q4>(l);
       log2r = hi ? lo : l;
       log2c = hi ? l : lo;
     } else {
@@ -230,9 +262,12 @@ struct ChunkCursor {
   }
 };
 
-template <int FMT, typename G, bool WRITE_WEIGHT>
-__global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
+template <int FMT, typename G, bool WRITE_WEIGHT, typename V>
+__global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Args A) {
   constexpr bool FP8 = FMT >= kFp8, EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
+  constexpr int kLanes = V::kLanes, kGroupsPerWarp = V::kGroupsPerWarp, kRuns = V::kRuns;
+  constexpr int kPerLane = V::kPerLane, kRunStride = V::kRunStride;
+  constexpr int kHalf = kLanes / 2, kQuarter = kLanes / 4;  // partner (other moment), log2 split
   if (*A.found_inf != 0.f) return;  // skipped step: nothing changes (uniform over the block)
   __shared__ float2 tab[FAST ? 256 : 1];
   if (FAST) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
@@ -261,6 +296,20 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
     const int64_t e = g * kGroup + sub * 4;                          // this lane's first element
     const int64_t local = (g - chunk.start) * kGroup + sub * 4;      // the same within the chunk
     const int64_t rem = chunk.numel - local;                         // gradient elements from there
+    if (V::kPrefetch && lane == 0) {  // the warp's next unit: master, moments, gradient in this chunk
+      const int64_t g0 = (u + nwarps) * kGroupsPerWarp;
+      if (g0 < A.num_groups) {
+        const int64_t ng = A.num_groups - g0, n = (ng < kGroupsPerWarp ? ng : kGroupsPerWarp) * kGroup;
+        constexpr int mb = FP8 ? 1 : FMT == kBf16 ? 2 : 4;  // bytes per moment element
+        prefetch_l2(A.master + g0 * kGroup, n * 4);
+        prefetch_l2(static_cast<const uint8_t*>(A.m.data) + g0 * kGroup * mb, n * mb);
+        prefetch_l2(static_cast<const uint8_t*>(A.v.data) + g0 * kGroup * mb, n * mb);
+        if (g0 < chunk.end) {
+          const int64_t l0 = (g0 - chunk.start) * kGroup;
+          prefetch_l2(chunk.grad + l0, ((l0 + n < chunk.numel ? l0 + n : chunk.numel) - l0) * (int64_t)sizeof(G));
+        }
+      }
+    }
 
     // ---- loads: everything this lane needs, issued before any arithmetic
     float p[kPerLane], gr[kPerLane], m[kPerLane], v[kPerLane];
@@ -314,8 +363,8 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
       dm.s = A.m.s[g];
       dv.s = A.v.s[g];
     } else if (EXPAND) {
-      const Dq mine = dequant_params<FMT>(is_v ? A.v : A.m, g, sub);
-      const Dq other{shfl4(mine.inv_k), shfl4(mine.s), shfl4(mine.c)};
+      const Dq mine = dequant_params<FMT, kQuarter>(is_v ? A.v : A.m, g, sub);
+      const Dq other{shfl<kHalf>(mine.inv_k), shfl<kHalf>(mine.s), shfl<kHalf>(mine.c)};
       dm = is_v ? other : mine;
       dv = is_v ? mine : other;
     }
@@ -378,9 +427,9 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
       }
       continue;
     }
-    // Group max and true nonzero min of |m| and |v|: over the lane's 16 elements, then across
-    // the group's 8 lanes. The first exchange (4 lanes apart) also splits the work: lanes 0-3
-    // keep m's values and lanes 4-7 v's, so each lane ends with one moment's pair.
+    // Group max and true nonzero min of |m| and |v|: over the lane's elements, then across the
+    // group's lanes. The first exchange (LANES/2 apart) also splits the work: the lower half keeps
+    // m's values and the upper half v's, so each lane ends with one moment's pair.
     float mx_m = 0.f, mn_m = CUDART_INF_F, mx_v = 0.f, mn_v = CUDART_INF_F;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -390,25 +439,25 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
       if (a > 0.f) mn_m = fminf(mn_m, a);  // the true nonzero minimum: zeros never enter
       if (b > 0.f) mn_v = fminf(mn_v, b);
     }
-    float mx = fmaxf(is_v ? mx_v : mx_m, shfl4(is_v ? mx_m : mx_v));
-    float mn = fminf(is_v ? mn_v : mn_m, shfl4(is_v ? mn_m : mn_v));
+    float mx = fmaxf(is_v ? mx_v : mx_m, shfl<kHalf>(is_v ? mx_m : mx_v));
+    float mn = fminf(is_v ? mn_v : mn_m, shfl<kHalf>(is_v ? mn_m : mn_v));
 #pragma unroll
-    for (int off = 2; off > 0; off >>= 1) {
+    for (int off = kQuarter; off > 0; off >>= 1) {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
     }
-    const Q mine = group_stats<FMT>(mx, mn, A, sub);
+    const Q mine = group_stats<FMT, kQuarter>(mx, mn, A, sub);
     Q other = mine;
     if (EXPAND) {
-      other.k = shfl4(mine.k);
+      other.k = shfl<kHalf>(mine.k);
       if (FAST) {
-        other.a = shfl4(mine.a);
+        other.a = shfl<kHalf>(mine.a);
       } else {
-        other.s = shfl4(mine.s);
-        other.c = shfl4(mine.c);
+        other.s = shfl<kHalf>(mine.s);
+        other.c = shfl<kHalf>(mine.c);
       }
     } else {
-      other.s = shfl4(mine.s);
+      other.s = shfl<kHalf>(mine.s);
     }
     const Q qm = is_v ? other : mine, qv = is_v ? mine : other;
     if (valid) {
@@ -423,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
         *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.m.data) + o) = cm;
         *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.v.data) + o) = cv;
       }
-      if (sub % (kLanes / 2) == 0) {  // lane 0 of the group writes m's numbers, lane 4 v's
+      if (sub % kHalf == 0) {  // lane 0 of the group writes m's numbers, lane LANES/2 v's
         const Moment& M = is_v ? A.v : A.m;
         M.s[g] = mine.s;
         if (EXPAND) {
@@ -435,26 +484,37 @@ __global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const Args A) {
   }
 }
 
-template <int FMT, typename G, bool W>
+template <int FMT, typename G, bool W, typename V>
 void launch(const Args& A, cudaStream_t stream) {
   if (A.num_groups == 0) return;
   // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard).
   static const int per_sm = [] {
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W>, kThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W, V>, kThreads, 0));
     return std::max(n, 1);
   }();
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t units = (A.num_groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
+  const int64_t units = (A.num_groups + V::kGroupsPerWarp - 1) / V::kGroupsPerWarp;
   const int64_t blocks = std::min<int64_t>((units + kWarpsPerBlock - 1) / kWarpsPerBlock, (int64_t)per_sm * sms);
-  adamw_kernel<FMT, G, W><<<(unsigned)blocks, kThreads, 0, stream>>>(A);
+  adamw_kernel<FMT, G, W, V><<<(unsigned)blocks, kThreads, 0, stream>>>(A);
 }
 
-template <int FMT>
-void dispatch_dtypes(const Args& A, bool bf16_grad, bool, cudaStream_t stream) {
-  if (bf16_grad) launch<FMT, __nv_bfloat16, true>(A, stream); else launch<FMT, float, true>(A, stream);
+template <int FMT, typename V>
+void dispatch_dtypes(const Args& A, bool bf16_grad, cudaStream_t stream) {
+  if (bf16_grad) launch<FMT, __nv_bfloat16, true, V>(A, stream); else launch<FMT, float, true, V>(A, stream);
+}
+
+template <typename V>
+void dispatch_format(const Args& A, int64_t fmt, bool bf16, cudaStream_t stream) {
+  switch (fmt) {  // weights are always written where a chunk has them (WRITE_WEIGHT: compile-time skip when none)
+    case kFp32: dispatch_dtypes<kFp32, V>(A, bf16, stream); break;
+    case kBf16: dispatch_dtypes<kBf16, V>(A, bf16, stream); break;
+    case kFp8: dispatch_dtypes<kFp8, V>(A, bf16, stream); break;
+    case kFp8Expand: dispatch_dtypes<kFp8Expand, V>(A, bf16, stream); break;
+    default: dispatch_dtypes<kFp8ExpandFast, V>(A, bf16, stream); break;
+  }
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "megacoat fused_adamw: ", what); }
@@ -473,7 +533,7 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
                 torch::Tensor m_data, torch::Tensor m_s, torch::Tensor m_k, torch::Tensor m_c, torch::Tensor v_data,
                 torch::Tensor v_s, torch::Tensor v_k, torch::Tensor v_c, int64_t fmt, torch::Tensor step,
                 torch::Tensor found_inf, torch::Tensor coeff, double lr, double b1, double ob1, double b2, double ob2,
-                double eps, double wd, double k16, double kmax, double tiny) {
+                double eps, double wd, double k16, double kmax, double tiny, int64_t variant) {
   // chunks: int64 [4, nchunks + 1] on the device: group starts (nchunks + 1), gradient addresses,
   // weight addresses (0: none), element counts.
   check(master.is_cuda() && master.scalar_type() == at::kFloat && master.is_contiguous() && aligned16(master),
@@ -483,6 +543,7 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
         chunks.is_contiguous() && chunks.size(1) >= 2, "chunk table: int64 CUDA tensor [4, nchunks + 1]");
   check(decay.scalar_type() == at::kBool && decay.numel() == master.numel() / kGroup, "one decay flag per group");
   check(fmt >= 0 && fmt <= 4, "unknown moment format");
+  check(variant >= 0 && variant < kNumVariants, "unknown kernel variant");
   const int64_t stride = chunks.size(1);
   const int64_t* table = chunks.data_ptr<int64_t>();
   Args A;
@@ -503,16 +564,20 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
   A.num_groups = master.numel() / kGroup;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = grad_is_bf16 != 0;
-  switch (fmt) {  // weights are always written where a chunk has them (WRITE_WEIGHT: compile-time skip when none)
-    case kFp32: dispatch_dtypes<kFp32>(A, bf16, true, stream); break;
-    case kBf16: dispatch_dtypes<kBf16>(A, bf16, true, stream); break;
-    case kFp8: dispatch_dtypes<kFp8>(A, bf16, true, stream); break;
-    case kFp8Expand: dispatch_dtypes<kFp8Expand>(A, bf16, true, stream); break;
-    default: dispatch_dtypes<kFp8ExpandFast>(A, bf16, true, stream); break;
+  switch (variant) {
+    case 1: dispatch_format<Variant1>(A, fmt, bf16, stream); break;
+    case 2: dispatch_format<Variant2>(A, fmt, bf16, stream); break;
+    case 3: dispatch_format<Variant3>(A, fmt, bf16, stream); break;
+    default: dispatch_format<Variant0>(A, fmt, bf16, stream); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "Fused AdamW step over a flat shard (fp32/bf16/FP8 moments, bf16 weight out)");
+  m.def("adamw_step", &adamw_step, "Fused AdamW step over a flat shard (fp32/bf16/FP8 moments, bf16 weight out)",
+        py::arg("master"), py::arg("chunks"), py::arg("grad_is_bf16"), py::arg("decay"), py::arg("m_data"),
+        py::arg("m_s"), py::arg("m_k"), py::arg("m_c"), py::arg("v_data"), py::arg("v_s"), py::arg("v_k"),
+        py::arg("v_c"), py::arg("fmt"), py::arg("step"), py::arg("found_inf"), py::arg("coeff"), py::arg("lr"),
+        py::arg("b1"), py::arg("ob1"), py::arg("b2"), py::arg("ob2"), py::arg("eps"), py::arg("wd"), py::arg("k16"),
+        py::arg("kmax"), py::arg("tiny"), py::arg("variant") = 0);
 }

@@ -7,6 +7,8 @@ everything is expected bit-identical; the test reports any difference). Also: ev
 (FP8 expansion in the fast exp2/log2 form and in COAT's powf form), fp32 and bf16 gradients, the
 bf16 weights written in the same pass, clip factor and skip flag on the device, agreement with
 COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-reference fallback.
+The 100-step test runs under every work distribution of the kernel (`variant`, csrc/fused_adamw.cu
+Variant0-3: the same operations, so each must equal the reference bit for bit).
 """
 import math
 
@@ -14,8 +16,8 @@ import pytest
 import torch
 
 from megacoat.config import OptimizerConfig
-from megacoat.optim.fp8_adam import (GROUP, Chunk, MomentState, PrecisionAwareAdamW, _reference_with_skip,
-                                     decay_table, fused_extension, reference_step)
+from megacoat.optim.fp8_adam import (GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,
+                                     _reference_with_skip, decay_table, fused_extension, reference_step)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,13 +53,15 @@ def test_extension_builds():
     assert fused_extension() is not None, "csrc/fused_adamw.cu did not build (see the warning above)"
 
 
+@pytest.mark.parametrize("variant", range(KERNEL_VARIANTS), ids=lambda v: f"variant{v}")
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", [("fp8", "fp8", True, True), ("fp8", "fp8", True, False), ("fp8", "fp8", False),
                                  ("bf16", "bf16", True), ("fp32", "fp32", True)],
                          ids=["fp8_expand_fast", "fp8_expand_exact", "fp8_absmax", "bf16", "fp32"])
-def test_kernel_matches_reference_100_steps(fmt, grad_dtype):
+def test_kernel_matches_reference_100_steps(fmt, grad_dtype, variant):
     codec, grad_buf, g = _setup(fmt, grad_dtype)
     assert codec.ext is not None, "the kernel should run for these formats"
+    codec.variant = variant
     n = codec.master.numel()
     master = codec.master.clone()
     m = MomentState(fmt[0], n, "cuda", fmt[2], codec.m.fast)
@@ -90,6 +94,26 @@ def test_kernel_matches_reference_100_steps(fmt, grad_dtype):
     for c in codec.chunks:
         assert torch.equal(c.weight, codec.master[c.start: c.start + c.numel].to(torch.bfloat16))
     assert codec.step_count.item() == 100
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_variants_equal_variant0_on_a_large_shard(grad_dtype):
+    """Each variant's state equals variant 0's after a few steps, on a shard large enough that every
+    warp of the persistent grid loops (the prefetching variants then prefetch, also across chunk
+    ends); the 100-step test's shard fits in one pass."""
+    sizes = [2_000_001, 77, 4099, 131_077]
+    for fmt in [("fp8", "fp8", True, True), ("fp8", "fp8", True, False), ("fp8", "fp8", False),
+                ("bf16", "bf16", True), ("fp32", "fp32", True)]:
+        states = []
+        for variant in range(KERNEL_VARIANTS):
+            codec, grad_buf, g = _setup(fmt, grad_dtype, seed=5, sizes=sizes)
+            codec.variant = variant
+            for t in range(3):
+                grad_buf.copy_((torch.randn(grad_buf.numel(), generator=g, device="cuda") * 10.0 ** -t).to(grad_dtype))
+                codec.step(1e-3, grad_buf.float().norm())
+            states.append([codec.master] + codec.m.tensors() + codec.v.tensors() + [c.weight for c in codec.chunks])
+        for variant in range(1, KERNEL_VARIANTS):
+            assert all(torch.equal(a, b) for a, b in zip(states[0], states[variant])), (fmt, variant)
 
 
 def test_skip_flag_and_step_count_on_device():

@@ -26,6 +26,7 @@ codes within one E4M3 step of COAT's form (tests/test_fp8_adam_fast.py). Checkpo
 from __future__ import annotations
 
 import math
+import os
 import struct
 import warnings
 from dataclasses import dataclass
@@ -290,6 +291,7 @@ def round_up_group(n: int) -> int:
 
 # ------------------------------------------------------------------------------ the kernel
 FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}  # fp8 with expansion: 3 (exact powf form), 4 (exp2/log2 form)
+KERNEL_VARIANTS = 4  # work distributions of the kernel (csrc/fused_adamw.cu Variant0-3), 0 the default
 
 
 def _format_code(ms: MomentState) -> int:
@@ -358,6 +360,9 @@ class PrecisionAwareAdamW:
         self.ext = None
         if dev.type == "cuda" and use_kernel is not False and kernel_supports(self.m, self.v, self.chunks):
             self.ext = fused_extension()
+        # The kernel's work distribution (csrc/fused_adamw.cu, Variant0-3; same results bit for bit):
+        # 0 unless MEGACOAT_ADAMW_VARIANT says otherwise, for benchmarking (benchmarks/optimizer_bench.py).
+        self.variant = int(os.environ.get("MEGACOAT_ADAMW_VARIANT", "0"))
         self._compiled = None
         self._incoming = None  # fp32 moments being loaded from a checkpoint of another format
 
@@ -396,12 +401,13 @@ class PrecisionAwareAdamW:
         m, v = self.m, self.v
         empty = torch.empty(0, dtype=torch.float32, device=self.master.device)
         opt = [t if t is not None else empty for t in (m.s, m.k, m.c, v.s, v.k, v.c)]
+        extra = {"variant": self.variant} if self.variant else {}  # default: also an older build's signature
         self.ext.adamw_step(
             self.master, chunk_table(self.chunks, self.master.device),
             int(self.chunks[0].grad.dtype == torch.bfloat16), self.group_decay,
             m.data, opt[0], opt[1], opt[2], v.data, opt[3], opt[4], opt[5],
             _format_code(m), self.step_count, found_inf, coeff,
-            float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY)
+            float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY, **extra)
 
     def _device_reference(self, lr, coeff, found_inf) -> None:
         """GPU without the kernel: the reference on copies, kept only when the step is not skipped
