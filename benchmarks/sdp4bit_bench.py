@@ -10,7 +10,8 @@ Also: a plain fp32 copy of 256M elements, the torch references on 32M elements (
 round 1 of these kernels (ROUND1_MS), a sweep of the tile (elements per program) and warps, and
 kernel == reference bit for bit on 8M elements for every kernel. The TLq-HS encode is timed twice:
 the Triton kernel (`tlq_encode_*`) and the CUDA C++ one of csrc/sdp4bit_encode.cu (`*_cuda`, which
-`encode_partitioned` runs where it is built), on the same data; CUDA == Triton is checked too.
+`encode_partitioned` runs where it is built), on the same data; CUDA == Triton is checked too. The same
+for the reduce-requantize (`tlq_reduce_requantize_int8_to_int4[_cuda]`).
 
 Part 2 (CPU is enough): bytes each rank sends per step for the 1.36B model (h 2048, 24 layers, ffn
 5632, vocab 32000, tied embedding, default 40M-element buckets), plain vs qWD at DP=2 and plain vs
@@ -37,7 +38,8 @@ from megacoat.comm import codecs as C  # noqa: E402
 
 HBM_GBS = 4300.0
 SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_encode_hadamard_int8_cuda": 1.30,
-              "tlq_reduce_requantize_int8_to_int4": 0.67, "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
+              "tlq_reduce_requantize_int8_to_int4": 0.67, "tlq_reduce_requantize_int8_to_int4_cuda": 0.67,
+              "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
 # Round 1 of these kernels on the same H200 (benchmarks/results/raw/2026-11-30_run2_sdpbench.json).
 ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "tlq_encode_hadamard_int8": 1.1853,
              "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
@@ -79,6 +81,13 @@ def _cuda_encode(K, *args):
     """The CUDA C++ encode (csrc/sdp4bit_encode.cu); an error if it did not run (not built / not covered)."""
     if not K.encode_partitioned_cuda(*args):
         raise RuntimeError("the CUDA encode did not run (extension not built or disabled, or case not covered)")
+
+
+def _cuda_requant(K, *args):
+    """The CUDA C++ reduce-requantize (csrc/sdp4bit_encode.cu); an error if it did not run."""
+    if not K.reduce_requantize_cuda(*args):
+        raise RuntimeError("the CUDA reduce-requantize did not run (extension not built or disabled, or case not "
+                           "covered)")
 
 
 def kernel_cases(n, dev, key):
@@ -136,8 +145,12 @@ def kernel_cases(n, dev, key):
             "CUDA C++: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2",
             (m1, lambda o: C.encode_partitioned_reference(grad16, o, S, 0, S, L, N, 8, 128, True, key))),
         "tlq_reduce_requantize_int8_to_int4": (
-            lambda: K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
+            lambda: K.reduce_requantize_triton(m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
             "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",
+            (m2, lambda o: C.reduce_requantize_reference(m1, o, N * S, 8, 128, 4, 128, N, key))),
+        "tlq_reduce_requantize_int8_to_int4_cuda": (
+            lambda: _cuda_requant(K, m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
+            "CUDA C++: 2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",
             (m2, lambda o: C.reduce_requantize_reference(m1, o, N * S, 8, 128, 4, 128, N, key))),
         "tlq_reduce_decode_inverse_hadamard": (
             lambda: K.reduce_decode(m2, out, S, 4, 128, True, scale), m2.numel() + 4 * S,
@@ -243,6 +256,14 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
                 K.encode_partitioned_triton(src.to(dt), a, S, 0, S, 2, 2, 8, 128, had, key)
                 ran = K.encode_partitioned_cuda(src.to(dt), b, S, 0, S, 2, 2, 8, 128, had, key)
                 exact[f"cuda_eq_triton_encode_{'had' if had else 'plain'}_{str(dt)[6:]}"] = ran and bool(torch.equal(a, b))
+        # CUDA vs Triton reduce-requantize on those messages (2 sources of n/2 -> 2 int4 messages)
+        m1 = torch.empty(2, C.message_bytes(2 * S, 8, 128), dtype=torch.uint8, device=dev)
+        K.encode_partitioned(src, m1, S, 0, S, 2, 2, 8, 128, True, key)
+        a = torch.empty(2, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
+        b = torch.empty_like(a)
+        K.reduce_requantize_triton(m1, a, 2 * S, 8, 128, 4, 128, 2, key)
+        ran = K.reduce_requantize_cuda(m1, b, 2 * S, 8, 128, 4, 128, 2, key)
+        exact["cuda_eq_triton_reduce_requantize"] = ran and bool(torch.equal(a, b))
         results["bit_exact"] = {"elements": exact_n, **exact}
         print(f"kernel == reference ({exact_n} elements):", exact, flush=True)
     _safe(results, "exactness", exactness)

@@ -13,6 +13,8 @@
 // in registers; that one is a single shuffle per value (1 shuffle per element, against 3 with 4
 // elements per lane). A warp handles 512 elements per iteration: 512 / G groups of G lanes / 16.
 // Codes are exchanged once between the two lanes so that each stores 16 contiguous bytes.
+//
+// Further below: the reduce + requantize between the hops (int8/int4 messages -> int4), same extension.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -203,8 +205,9 @@ __global__ void __launch_bounds__(kWarps * 32) encode_kernel(const Params P) {
     if (active) {
       uint8_t* msg = P.out + (int64_t)d * P.msg_bytes;
       uint8_t* dst = msg + pos0 + 16 * t;
-      if (P.vec_store) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+      if (P.vec_store) {  // asm: the compiler must not merge it with the 4-byte stores
+        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                     "r"(o[3]) : "memory");
       } else {
         uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
         d4[0] = o[0]; d4[1] = o[1]; d4[2] = o[2]; d4[3] = o[3];
@@ -288,8 +291,286 @@ bool encode_partitioned(torch::Tensor src, torch::Tensor out, int64_t shard_size
   return ok;
 }
 
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// TLq-HS between hops: nsrc messages (int8 or int4 codes, groups of G_IN) -> fp32 sum in source order
+// -> 4-bit stochastic requantization (groups of G) into ndest messages of m = n / ndest elements. Same
+// bytes as the Triton `reduce_requantize_kernel` and `reduce_requantize_reference`.
+//
+// Layout: a lane owns 32 consecutive elements (one scale per source when G_IN >= 32), G / 32 lanes a
+// group, a warp 1024 elements per iteration; codes arrive as 16-byte vectors and leave as one 16-byte
+// store (32 nibbles). The per-element work is what bounds the Triton kernel, so it is cut here:
+// - code -> float: one PRMT puts the code byte under the bits of 1.5 * 2^23, one exact subtraction;
+// - absmax: one max.NaN of |x| per element (NaN propagates, and its bits are >= kInfBits like Inf);
+// - rounding adds 1.5 * 2^23 + 8: the result's low byte is the 4-bit code q + 8 itself (|v| < 7.5, see
+//   quantize_rows), so packing is a shift-add per pair and PRMTs;
+// - the hash input (pt + i) ^ k1 with pt a multiple of 16 is ((pt ^ k1) & ~15) + ((k1 ^ i) & 15): one add
+//   of a per-launch constant per pair.
+
+constexpr int kRqLane = 32;                     // elements per lane
+constexpr int kRqUnit = 32 * kRqLane;           // elements per warp and iteration
+constexpr float kMagicQ8 = 12582920.0f;         // 1.5 * 2^23 + 8: low byte of the sum's bits = q + 8
+constexpr float kDeq8 = 12582912.0f + 128.0f;   // (1.5 * 2^23 + code) - this = code - 128, exact
+constexpr float kDeq4 = 12582912.0f + 8.0f;
+
+struct RqParams {
+  const uint8_t* in;
+  uint8_t* out;
+  int64_t msg_in, msg_out;  // bytes per message (row strides)
+  int64_t in_scales;        // byte offset of the scales in an input message: n * bits_in / 8
+  int64_t out_scales;       // in an output message: m / 2
+  int64_t m;                // elements per destination
+  uint32_t groups_per_dest, units;  // units: warp iterations per destination
+  int nsrc, gin_shift;      // G_IN = 1 << gin_shift
+  uint32_t k1, k2;
+  uint32_t one_bits;        // 0x3F800040
+  int vec_load, vec_store;  // 16-byte code loads / stores (else 4-byte ones)
+  uint32_t pair_lo[16];     // (k1 ^ i) & 15: low bits of the hash input of the lane's pair i
+};
+
+__device__ __forceinline__ float absmax_nan(float a, float b) {  // max(|a|, |b|), NaN if either is
+  float r;
+  asm("{\n\t.reg .f32 ta, tb;\n\tabs.f32 ta, %1;\n\tabs.f32 tb, %2;\n\tmax.NaN.f32 %0, ta, tb;\n\t}"
+      : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The lane's codes (BITS 32-bit words at p) and scale (at sp) of one source message.
+template <int BITS>
+__device__ __forceinline__ void rq_load(bool vec, const uint8_t* p, const float* sp, uint32_t (&w)[BITS],
+                                        float& scale) {
+  if (vec) {
+#pragma unroll
+    for (int k = 0; k < BITS / 4; ++k) {
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + k);  // read once: evict first
+      w[4 * k] = v.x; w[4 * k + 1] = v.y; w[4 * k + 2] = v.z; w[4 * k + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < BITS; ++k) w[k] = __ldcs(reinterpret_cast<const unsigned int*>(p) + k);
+  }
+  scale = *sp;
+}
+
+// (code - 2^(BITS-1)) * scale, exactly as `dequantize`: the integer value made exact, one fp32 product.
+template <int BITS>
+__device__ __forceinline__ void rq_dequant(const uint32_t (&w)[BITS], float scale, float (&d)[kRqLane]) {
+  constexpr uint32_t kHi = 0x4B400000u;  // its bytes 1..3 are those of 1.5 * 2^23
+  if (BITS == 8) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        d[4 * k + b] = __fmul_rn(__fsub_rn(__uint_as_float(__byte_perm(w[k], kHi, 0x7650 | b)), kDeq8), scale);
+  } else {  // element 8k + j in bits 4j..4j+3 of word k
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        d[8 * k + 2 * b] = __fmul_rn(__fsub_rn(__uint_as_float(__byte_perm(lo, kHi, 0x7650 | b)), kDeq4), scale);
+        d[8 * k + 2 * b + 1] = __fmul_rn(__fsub_rn(__uint_as_float(__byte_perm(hi, kHi, 0x7650 | b)), kDeq4), scale);
+      }
+    }
+  }
+}
+
+// NSRC > 0: that many sources, all loads issued first; 0: P.nsrc sources in a loop. VEC: 16-byte code
+// loads (a template flag: predicated-off loads would still take issue slots).
+template <int BITS, int G, int NSRC, bool VEC>
+__global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) {
+  constexpr int LPG = G / kRqLane;  // lanes per group
+  constexpr int GPU = kRqUnit / G;  // groups per unit
+  const int lane = threadIdx.x & 31;
+  const int sub = lane % LPG;
+  const uint32_t d = blockIdx.y;
+  uint8_t* msg_out = P.out + (int64_t)d * P.msg_out;
+  for (uint32_t u = blockIdx.x * kWarps + threadIdx.x / 32; u < P.units; u += gridDim.x * kWarps) {
+    uint32_t j = u * GPU + lane / LPG;  // group within destination d
+    const bool active = j < P.groups_per_dest;
+    if (!active) j = P.groups_per_dest - 1;  // computes the last group again, stores nothing
+    const int64_t pos0 = (int64_t)j * G + sub * kRqLane;  // within destination d's message
+    const int64_t e0 = (int64_t)d * P.m + pos0;          // within the n summed elements: the stream index
+    const uint8_t* cp = P.in + e0 * BITS / 8;            // source 0's codes and scale; + msg_in per source
+    const float* sp = reinterpret_cast<const float*>(P.in + P.in_scales) + (e0 >> P.gin_shift);
+    float x[kRqLane];
+    if constexpr (NSRC > 0) {
+      uint32_t w[NSRC > 0 ? NSRC : 1][BITS];
+      float sc[NSRC > 0 ? NSRC : 1];
+#pragma unroll
+      for (int s = 0; s < NSRC; ++s)
+        rq_load<BITS>(VEC, cp + s * P.msg_in, reinterpret_cast<const float*>(
+                      reinterpret_cast<const uint8_t*>(sp) + s * P.msg_in), w[s], sc[s]);
+      rq_dequant<BITS>(w[0], sc[0], x);  // the reference's 0 + first term is the first term (never -0)
+#pragma unroll
+      for (int s = 1; s < NSRC; ++s) {
+        float y[kRqLane];
+        rq_dequant<BITS>(w[s], sc[s], y);
+#pragma unroll
+        for (int i = 0; i < kRqLane; ++i) x[i] = __fadd_rn(x[i], y[i]);  // source order
+      }
+    } else {
+      for (int s = 0; s < P.nsrc; ++s) {
+        uint32_t w[BITS];
+        float sc;
+        rq_load<BITS>(VEC, cp, sp, w, sc);
+        cp += P.msg_in;
+        sp = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(sp) + P.msg_in);
+        float y[kRqLane];
+        rq_dequant<BITS>(w, sc, y);
+#pragma unroll
+        for (int i = 0; i < kRqLane; ++i) x[i] = s ? __fadd_rn(x[i], y[i]) : y[i];
+      }
+    }
+
+    // Group absmax: a tree of max.NaN(|a|, |b|), then an integer max of the bits across the group's lanes.
+    float t[kRqLane / 2];
+#pragma unroll
+    for (int i = 0; i < kRqLane / 2; ++i) t[i] = absmax_nan(x[2 * i], x[2 * i + 1]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t[i] = absmax_nan(t[i], t[i + 8]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t[i] = absmax_nan(t[i], t[i + 4]);
+    t[0] = absmax_nan(absmax_nan(t[0], t[2]), absmax_nan(t[1], t[3]));
+    int amax_b = __float_as_int(t[0]);
+#pragma unroll
+    for (int k = 1; k < LPG; k <<= 1) amax_b = max(amax_b, __shfl_xor_sync(kFull, amax_b, k));
+    const bool bad = amax_b >= kInfBits;
+    const bool pos = amax_b >= kMinAmaxBits && !bad;
+    const float amax = __int_as_float(pos ? amax_b : kOneBits);
+    const float qmax = 7.f;
+    const float scale = bad ? __int_as_float(kNanBits) : (pos ? __fdiv_rn(amax, qmax) : 1.f);
+    const float inv = pos ? __fdiv_rn(qmax, amax) : 0.f;
+
+    const uint32_t pt = (uint32_t)((uint64_t)e0 >> 1);  // pair index of the lane's first element (mod 2^32)
+    const uint32_t q0 = ((pt ^ P.k1) & ~15u) + P.k2;
+    const uint32_t one = P.one_bits;
+    uint32_t pairs[kRqLane / 2];  // low byte: codes of elements 2i (low nibble) and 2i + 1
+#pragma unroll
+    for (int i = 0; i < kRqLane / 2; ++i) {
+      uint32_t y = q0 + P.pair_lo[i];  // = ((pt + i) ^ k1) + k2
+      y ^= y >> 16;
+      y *= kC1;
+      y ^= y >> 15;
+      y *= kC2;
+      // h = y ^ (y >> 16): element 2p takes its low 16 bits, 2p + 1 the high ones (those of y);
+      // offset = float(1.bits16|1) - 1.5 with bits16 at mantissa bits 7..22 (disjoint from `one`).
+      const uint32_t y16 = y >> 16;
+      const float r_lo = __fsub_rn(__uint_as_float((((y ^ y16) & 0xFFFFu) << 7) + one), 1.5f);
+      const float r_hi = __fsub_rn(__uint_as_float((y16 << 7) + one), 1.5f);
+      const float v0 = __fadd_rn(__fmul_rn(x[2 * i], inv), r_lo);
+      const float v1 = __fadd_rn(__fmul_rn(x[2 * i + 1], inv), r_hi);
+      const uint32_t c0 = __float_as_uint(__fadd_rn(v0, kMagicQ8));  // low byte: q + 8 in [1, 15]
+      const uint32_t c1 = __float_as_uint(__fadd_rn(v1, kMagicQ8));
+      pairs[i] = c0 + (c1 << 4);  // the low byte cannot carry: c0's is < 16, (c1 << 4)'s has zero low nibble
+    }
+    uint32_t o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t wd = __byte_perm(__byte_perm(pairs[4 * k], pairs[4 * k + 1], 0x0040),
+                                      __byte_perm(pairs[4 * k + 2], pairs[4 * k + 3], 0x0040), 0x5410);
+      o[k] = bad ? 0x88888888u : wd;  // non-finite group: q = 0
+    }
+    if (active) {
+      uint8_t* dst = msg_out + pos0 / 2;
+      if (P.vec_store) {  // asm: the compiler must not merge it with the 4-byte stores
+        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                     "r"(o[3]) : "memory");
+      } else {
+        uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+        d4[0] = o[0]; d4[1] = o[1]; d4[2] = o[2]; d4[3] = o[3];
+      }
+      if (sub == 0) reinterpret_cast<float*>(msg_out + P.out_scales)[j] = scale;
+    }
+  }
+}
+
+template <int BITS, int G>
+void rq_launch_g(const RqParams& P, dim3 grid, cudaStream_t stream) {
+  // unrolled variants for the common source counts with aligned messages; a source loop otherwise
+  if (P.vec_load && P.nsrc == 1) requant_kernel<BITS, G, 1, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else if (P.vec_load && P.nsrc == 2) requant_kernel<BITS, G, 2, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else if (P.vec_load) requant_kernel<BITS, G, 0, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else requant_kernel<BITS, G, 0, false><<<grid, kWarps * 32, 0, stream>>>(P);
+}
+
+template <int BITS>
+bool rq_launch(const RqParams& P, int64_t group, dim3 grid, cudaStream_t stream) {
+  switch (group) {
+    case 32: rq_launch_g<BITS, 32>(P, grid, stream); return true;
+    case 64: rq_launch_g<BITS, 64>(P, grid, stream); return true;
+    case 128: rq_launch_g<BITS, 128>(P, grid, stream); return true;
+    case 256: rq_launch_g<BITS, 256>(P, grid, stream); return true;
+    case 512: rq_launch_g<BITS, 512>(P, grid, stream); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+// Returns false (nothing launched) for what this kernel does not cover: bits_out != 4, bits_in other
+// than 4 / 8, output groups other than 32..512 or input groups other than powers of two >= 32, more
+// than 65535 destinations, messages not 4-byte aligned; the caller then runs the Triton kernel.
+// max_blocks > 0 caps the grid's x dimension (the warps then loop).
+bool reduce_requantize(torch::Tensor msgs, torch::Tensor out, int64_t n, int64_t bits_in, int64_t group_in,
+                       int64_t bits_out, int64_t group_out, int64_t ndest, int64_t k1, int64_t k2,
+                       int64_t max_blocks) {
+  if (bits_out != 4 || (bits_in != 4 && bits_in != 8)) return false;
+  if (group_out < 32 || group_out > 512 || (group_out & (group_out - 1))) return false;
+  if (group_in < 32 || (group_in & (group_in - 1))) return false;
+  if (!msgs.is_cuda() || ndest < 1 || ndest > 65535) return false;
+  TORCH_CHECK(msgs.scalar_type() == at::kByte && msgs.dim() == 2 && msgs.size(0) >= 1 && msgs.is_contiguous(),
+              "sdp4bit reduce_requantize: msgs must be a contiguous uint8 CUDA tensor [nsrc, message bytes]");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kByte && out.dim() == 2 && out.size(0) == ndest &&
+              out.is_contiguous() && out.get_device() == msgs.get_device(),
+              "sdp4bit reduce_requantize: out must be a contiguous uint8 CUDA tensor [ndest, message bytes] on the "
+              "messages' device");
+  TORCH_CHECK(n > 0 && n % ndest == 0 && n % group_in == 0 && (n / ndest) % group_out == 0,
+              "sdp4bit reduce_requantize: messages hold whole groups");
+  const int64_t m = n / ndest;
+  const int64_t msg_in = msgs.size(1), msg_out = out.size(1);
+  TORCH_CHECK(msg_in >= n * bits_in / 8 + 4 * (n / group_in),
+              "sdp4bit reduce_requantize: input messages are too short");
+  TORCH_CHECK(msg_out >= m / 2 + 4 * (m / group_out), "sdp4bit reduce_requantize: output messages are too short");
+  if (!aligned(msgs.data_ptr(), 4) || msg_in % 4 || !aligned(out.data_ptr(), 4) || msg_out % 4) return false;
+  if (m / group_out >= (int64_t(1) << 31)) return false;
+  RqParams P;
+  P.in = msgs.data_ptr<uint8_t>();
+  P.out = out.data_ptr<uint8_t>();
+  P.msg_in = msg_in;
+  P.msg_out = msg_out;
+  P.in_scales = n * bits_in / 8;
+  P.out_scales = m / 2;
+  P.m = m;
+  P.groups_per_dest = (uint32_t)(m / group_out);
+  const int64_t per_unit = kRqUnit / group_out;
+  P.units = (uint32_t)((P.groups_per_dest + per_unit - 1) / per_unit);
+  P.nsrc = (int)msgs.size(0);
+  int shift = 0;
+  while ((int64_t(1) << shift) < group_in) ++shift;
+  P.gin_shift = shift;
+  P.k1 = (uint32_t)k1;
+  P.k2 = (uint32_t)k2;
+  P.one_bits = 0x3F800040u;
+  P.vec_load = aligned(msgs.data_ptr(), 16) && msg_in % 16 == 0;
+  P.vec_store = aligned(out.data_ptr(), 16) && msg_out % 16 == 0;
+  for (uint32_t i = 0; i < 16; ++i) P.pair_lo[i] = (P.k1 ^ i) & 15u;
+  int64_t blocks = (P.units + kWarps - 1) / kWarps;
+  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
+  const dim3 grid((unsigned)blocks, (unsigned)ndest);
+  const c10::cuda::CUDAGuard guard(msgs.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool ok = bits_in == 8 ? rq_launch<8>(P, group_out, grid, stream) : rq_launch<4>(P, group_out, grid, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return ok;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_partitioned", &encode_partitioned,
         "SDP4Bit TLq-HS encode: [Hadamard +] int8 stochastic group quantization in partition order "
         "(fp32/bf16 bucket); False when the configuration is not covered");
+  m.def("reduce_requantize", &reduce_requantize,
+        "SDP4Bit TLq-HS between hops: sum of dequantized int8/int4 messages -> int4 requantization; False when "
+        "the configuration is not covered");
 }

@@ -2,9 +2,9 @@
 
 Same signatures as the references `*_reference` in `megacoat.comm.codecs`, which decides when to
 call them (CUDA tensors and Triton importable). Triton is imported lazily: this module imports
-without it. Set MEGACOAT_NO_TRITON=1 to force the references. `encode_partitioned` runs the CUDA C++
-kernel of csrc/sdp4bit_encode.cu where it loads and covers the case (MEGACOAT_SDP4BIT_NO_CUDA=1 or
-MEGACOAT_NO_CUDA_EXT=1: Triton). The constants of the stochastic
+without it. Set MEGACOAT_NO_TRITON=1 to force the references. `encode_partitioned` and
+`reduce_requantize` run the CUDA C++ kernels of csrc/sdp4bit_encode.cu where they load and cover the
+case (MEGACOAT_SDP4BIT_NO_CUDA=1 or MEGACOAT_NO_CUDA_EXT=1: Triton). The constants of the stochastic
 rounding hash live here (the lower layer) so that both implementations share one definition.
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _pack(t: torch.Tensor) -> int:
 
 
 def cuda_extension():
-    """The CUDA C++ encode (csrc/sdp4bit_encode.cu), or None: not built, no GPU, MEGACOAT_NO_CUDA_EXT=1,
-    or MEGACOAT_SDP4BIT_NO_CUDA=1 (this kernel only: the Triton one runs)."""
+    """The CUDA C++ encode and reduce-requantize (csrc/sdp4bit_encode.cu), or None: not built, no GPU,
+    MEGACOAT_NO_CUDA_EXT=1, or MEGACOAT_SDP4BIT_NO_CUDA=1 (these kernels only: the Triton ones run)."""
     if os.environ.get("MEGACOAT_SDP4BIT_NO_CUDA") == "1":
         return None
     from .cuda_ext import load_extension
@@ -103,7 +103,25 @@ def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest,
         BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
 
 
+def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key, max_blocks=0) -> bool:
+    """The CUDA kernel where it covers the case (4-bit output, int8/int4 input, output groups of 32..512,
+    input groups a power of two >= 32, CUDA tensors): True if it ran, False if the caller must run another."""
+    if bits_out != 4 or not msgs.is_cuda:
+        return False
+    ext = cuda_extension()
+    if ext is None or not hasattr(ext, "reduce_requantize"):  # an older build of the extension
+        return False
+    return bool(ext.reduce_requantize(_check_msg(msgs), _check_msg(out), n, bits_in, group_in, bits_out, group_out,
+                                      ndest, key[0], key[1], max_blocks))
+
+
 def reduce_requantize(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
+    """The CUDA kernel where it applies (same bytes), else the Triton one."""
+    if not reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
+        reduce_requantize_triton(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key)
+
+
+def reduce_requantize_triton(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
     m = n // ndest
     r = _rows(group_out)
     _k().reduce_requantize_kernel[(_cdiv(m // group_out, r), ndest)](
