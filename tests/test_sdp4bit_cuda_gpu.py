@@ -242,8 +242,9 @@ def test_cuda_requant_large():
     assert ran and torch.equal(ref, got) and torch.equal(tri, got)
 
 
-def test_cuda_requant_grid_loop_and_dispatch():
-    """A capped grid (warps loop) gives the same bytes; the public entry point uses the CUDA kernel;
+def test_cuda_requant_grid_loop_and_dispatch(monkeypatch):
+    """A capped grid (warps loop) gives the same bytes; the public entry point uses the CUDA kernel once
+    it is marked verified (kernels/sdp4bit.py REQUANTIZE_CUDA_VERIFIED);
     uncovered cases (8-bit output, G_IN 96 or 16, G_OUT 1024, CPU tensors) return False and the
     dispatcher's Triton fallback still matches the reference."""
     if K.cuda_extension() is None:
@@ -256,6 +257,7 @@ def test_cuda_requant_grid_loop_and_dispatch():
         assert ran and torch.equal(ref, got), blocks
     nd, m = 2, 40 * 1024
     out = torch.zeros(nd, C.message_bytes(m, 4, 128), dtype=torch.uint8, device="cuda")
+    monkeypatch.setattr(K, "REQUANTIZE_CUDA_VERIFIED", True)
     C.reduce_requantize(msgs, out, nd * m, 8, 128, 4, 128, nd, key)  # the public entry point
     assert torch.equal(out, ref)
 
