@@ -52,8 +52,9 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
+  pid=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
-  wait
+  wait $pid
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
   S="$C --num-layers 2 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 2"

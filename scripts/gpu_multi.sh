@@ -85,7 +85,10 @@ launch() {
 }
 
 build_ext() { echo "== build CUDA extensions $(el)" >> $LOG
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG &
+  local pid=$!  # the two builds in parallel (wait for this one only: other background stages run on)
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit extension built:', f() is not None)" 2>&1 | tail -3 >> $LOG
+  wait $pid
 }
 bench() { # NAME FILE GPU [args]: a kernel benchmark on one GPU, its JSON into the archive
   late $1 && return; echo "== $2 $(el)" >> $LOG
