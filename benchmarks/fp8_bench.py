@@ -2,13 +2,19 @@
 one transformer layer per recipe.
 
     python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer]
-                                   [--no-sweep] [--no-compile] [--budget-s 160]
+                                   [--no-sweep] [--no-compile] [--budget-s 160] [--sweep-budget-s 300]
+    python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 
 Parts (each runs on its own: a failing part is recorded with its error and the others go on):
 - kernels: every FP8 kernel on a 16384 x 4096 bf16 tensor (time by triton.testing.do_bench, bytes
   moved, GB/s and % of 4300 GB/s), against COAT's own Triton kernels measured on this GPU (DESIGN
   5.2, issue 10) and a plain copy; the eager per-tensor quantize + transpose as the unfused anchor.
   With sweep: a few tile configurations per kernel, the best reported (to pick the defaults).
+- tiles: the sweep alone (no table rows): for each 1x16 kernel (quantize, dequantize, SiLU fwd/bwd,
+  SwiGLU fwd/bwd) every (rows, groups, warps, split) of TILE_SWEEP, timed on the same data, each
+  checked bit for bit against the default tiles' outputs (and the default's saved FP8 copies against
+  the torch reference); the fastest identical one is reported with the TILES line to paste.
+  `--sweep-budget-s` bounds it (default 300 s: one GPU call runs `--parts tiles` or `kernels`).
 - saved: bytes saved for backward by one Llama layer (hidden 4096, ffn 11008, 32 heads, seq 2048,
   micro-batch 1), counted with saved-tensor hooks (storages deduplicated, weights and FP8 weight
   copies excluded), in U = batch * seq * hidden * 2 bytes: bf16 vs tensorwise vs coat (target: coat
@@ -47,6 +53,17 @@ RECIPES = {"bf16": None, "tensorwise": Fp8Recipe(fp8_activations=False), "coat":
 
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny shapes on the CPU, to check this script's logic without a GPU
+
+# (rows, 16-groups, num_warps, split) tried per 1x16 kernel (the TILES entries of megacoat/kernels/fp8.py
+# and fp8_act.py; split = threads per 16-group). Most likely first: the budget may stop a sweep early.
+_Q_TILES = [(16, 16, 4, 1), (8, 32, 4, 1), (32, 16, 8, 1), (32, 8, 4, 1), (64, 8, 8, 1), (16, 32, 8, 1),
+            (16, 16, 4, 2), (32, 16, 8, 2), (8, 32, 4, 2), (16, 32, 8, 2), (8, 16, 4, 2), (4, 64, 4, 2),
+            (64, 16, 8, 2), (4, 64, 4, 1), (2, 128, 8, 2)]
+_EW_TILES = [(16, 16, 4, 2), (8, 16, 4, 2), (32, 16, 8, 2), (8, 32, 8, 2), (4, 32, 4, 2), (2, 64, 4, 2),
+             (16, 16, 4, 1), (8, 32, 4, 1), (8, 16, 4, 1), (32, 16, 8, 1), (4, 64, 8, 2), (16, 32, 8, 2),
+             (32, 8, 4, 2), (64, 8, 8, 2)]
+TILE_SWEEP = {"quantize_1x16": _Q_TILES, "dequantize_1x16": _Q_TILES, "act_fwd": _EW_TILES, "act_bwd": _EW_TILES,
+              "swiglu_fwd": _EW_TILES, "swiglu_bwd": _EW_TILES}
 
 
 def bench_us(fn) -> float:
@@ -128,22 +145,105 @@ def part_kernels(args):
     result = {"shape": [m, k], "rows": rows}
     if args.sweep:
         result["sweep"] = _sweep(x, h, amax_x, n)
+        result["tile_sweep"] = tile_sweep(x, x2, h, n, args.sweep_budget_s)
     return result
 
 
+def part_tiles(args):
+    """The 1x16 tile sweep alone (same data as part kernels). With --smoke it runs under
+    TRITON_INTERPRET=1 on the CPU (two tiles per kernel: checks this code, measures nothing)."""
+    if SMOKE:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return dict(skipped="on the CPU the sweep needs TRITON_INTERPRET=1")
+        m, k = 40, 200  # odd: masked row and group edges
+    else:
+        m, k = 16384, 4096
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = (torch.randn(m, k, device=DEV, generator=g)).to(torch.bfloat16)
+    x2 = (torch.randn(m, k, device=DEV, generator=g)).to(torch.bfloat16)
+    h = (torch.randn(m, 2 * k, device=DEV, generator=g)).to(torch.bfloat16)
+    return {"shape": [m, k], "tile_sweep": tile_sweep(x, x2, h, m * k, args.sweep_budget_s)}
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def _identical(a, b) -> bool:
+    """Every output tensor equal bit for bit (fp8 codes compared as bytes)."""
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    return len(a) == len(b) and all(u.shape == v.shape and u.dtype == v.dtype and torch.equal(_bits(u), _bits(v))
+                                    for u, v in zip(a, b))
+
+
+def tile_sweep(x, x2, h, n, budget_s=300.0):
+    """Each 1x16 kernel under every TILE_SWEEP tile: time (same data) and bit-identity with the default
+    tiles' outputs. -> {kernel: {default, default_us, trials, best, speedup_vs_default, tiles_line}}."""
+    t0 = time.time()
+    out = {}
+    act_out = KA.act_fwd(x, "silu")
+    sw_out = KA.swiglu_fwd(h)
+    q, s = K.quantize_1x16(x, "e4m3")
+    # the defaults' saved FP8 copies against the torch references (bit-exact by design)
+    ref_q = fp8.quantize_1x16_reference(x, "e4m3")
+    ref_h = fp8.quantize_1x16_reference(h.view(h.shape[0], 2, -1), "e4m3")
+    out["default_matches_reference"] = dict(quantize_1x16=_identical((q, s), ref_q),
+                                            act_fwd_saved=_identical(act_out[2:], ref_q),
+                                            swiglu_fwd_saved=_identical(sw_out[2:], ref_h))
+    print(f"  tile sweep: defaults vs torch references {out['default_matches_reference']}", flush=True)
+    cases = {  # kernel: (TILES table, launcher, bytes moved)
+        "quantize_1x16": (K.TILES, lambda: K.quantize_1x16(x, "e4m3"), 3.125 * n),
+        "dequantize_1x16": (K.TILES, lambda: K.dequantize_1x16(q, s, torch.bfloat16), 3.125 * n),
+        "act_fwd": (KA.TILES, lambda: KA.act_fwd(x, "silu"), 5.125 * n),
+        "act_bwd": (KA.TILES, lambda: KA.act_bwd(x2, act_out[2], act_out[3], "silu"), 5.125 * n),
+        "swiglu_fwd": (KA.TILES, lambda: KA.swiglu_fwd(h), 8.25 * n),
+        "swiglu_bwd": (KA.TILES, lambda: KA.swiglu_bwd(x2, sw_out[2], sw_out[3]), 8.25 * n),
+    }
+    for name, (table, fn, nbytes) in cases.items():
+        default = tuple(table[name])
+        want = fn()
+        res = []
+        try:
+            cfgs = [default] + [c for c in TILE_SWEEP[name] if tuple(c) != default]
+            for cfg in cfgs[:3] if SMOKE else cfgs:
+                if time.time() - t0 > budget_s:
+                    res.append(dict(stopped=f"sweep budget {budget_s} s"))
+                    break
+                table[name] = tuple(cfg)
+                try:
+                    same = _identical(fn(), want)
+                    us = bench_us(fn)
+                    res.append(dict(config=list(cfg), time_us=round(us, 2), gb_s=round(nbytes / us / 1e3, 1),
+                                    pct_of_hbm=round(100 * nbytes / us / 1e3 / HBM_GBS, 1), identical=same))
+                except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
+                    res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+        finally:
+            table[name] = default
+        ok = [r for r in res if "time_us" in r and r["identical"]]
+        best = min(ok, key=lambda r: r["time_us"]) if ok else None
+        d_us = res[0].get("time_us") if res and "time_us" in res[0] else None
+        entry = dict(default=list(default), default_us=d_us, trials=res, best=best,
+                     not_identical=[r["config"] for r in res if r.get("identical") is False])
+        if best and d_us:
+            entry["speedup_vs_default"] = round(d_us / best["time_us"], 3)
+            entry["tiles_line"] = f'"{name}": {tuple(best["config"])}'
+        out[name] = entry
+        print(f"  tile sweep {name:16s} default {list(default)} {d_us} us -> best {best and best['config']} "
+              f"{best and best['time_us']} us ({best and best['pct_of_hbm']}% of HBM)"
+              + (f"; NOT IDENTICAL: {entry['not_identical']}" if entry["not_identical"] else ""), flush=True)
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
 def _sweep(x, h, amax_x, n):
-    """A few tile configurations per kernel family; the defaults are whatever K.TILES / KA.TILES hold."""
+    """Tiles of the per-tensor cast and the norm (the 1x16 kernels: tile_sweep); the defaults are
+    whatever K.TILES / KA.TILES hold."""
     out = {}
     saved_k, saved_ka = dict(K.TILES), dict(KA.TILES)
-    trials = {
+    trials = {  # the 1x16 kernels: tile_sweep
         "cast+T": ("cast", [(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 128, 8)],
                    lambda: K.cast_tensorwise(x, amax_x, "e4m3", True), 4 * n, K.TILES),
-        "quantize_1x16": ("quantize_1x16", [(16, 16, 4), (32, 16, 8), (64, 16, 8), (16, 32, 8)],
-                          lambda: K.quantize_1x16(x, "e4m3"), 3.125 * n, K.TILES),
-        "swiglu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8)],
-                       lambda: KA.swiglu_fwd(h), 8.25 * n, KA.TILES),
-        "silu fwd": ("elementwise", [(4, 16, 4), (8, 16, 4), (16, 16, 8), (8, 32, 8)],
-                     lambda: KA.act_fwd(x, "silu"), 5.125 * n, KA.TILES),
     }
     for name, (key, configs, fn, nbytes, table) in trials.items():
         res = []
@@ -415,6 +515,7 @@ def main():
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--budget-s", type=float, default=160.0, help="skip remaining layer runs after this")
+    ap.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop the 1x16 tile sweep after this")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, measures nothing)")
     args = ap.parse_args()
     global DEV, SMOKE
@@ -438,6 +539,8 @@ def main():
         try:
             if part == "kernels":
                 r = part_kernels(args)
+            elif part == "tiles":
+                r = part_tiles(args)
             elif part == "saved":
                 r = part_saved(args)
             elif part == "linear":

@@ -1,6 +1,12 @@
 """Every Triton FP8 kernel compiles for sm_90 (H100/H200) with each constexpr variant its launcher uses,
 on a CPU-only host: Triton's own compiler and ptxas run without a GPU. This catches what the interpreter
-accepts but the compiler rejects (e.g. a non-constexpr global) before any GPU time is spent."""
+accepts but the compiler rejects (e.g. a non-constexpr global) before any GPU time is spent.
+
+The 1x16 kernels are also compiled as the launcher specializes them at the benchmark shape (every
+pointer and integer argument divisible by 16, Triton's "D" specialization) and their PTX is checked
+for what their speed relies on: 16-byte loads (never 2-byte ones), vector stores of the codes and of
+the bf16 outputs, two div.rn per 16-group (not per element), a 1-D grid (group blocks fastest), no
+shared-memory layout conversion of the outputs, and one relaxed reduction for the amax (no fence)."""
 import os
 import subprocess
 import sys
@@ -11,20 +17,62 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r'''
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megacoat.kernels.triton import fp8_quant as Q, fp8_act as A
 
 target = GPUTarget("cuda", 90, 32)
+# (rows, groups, warps, split) compiled for every 1x16 kernel: the launchers' defaults are among them
+TILES = [(16, 16, 4, 1), (16, 16, 4, 2), (8, 32, 4, 2), (32, 16, 8, 1), (4, 64, 4, 2)]
 bf, f8, f8e5, f32, i32, c = "*bf16", "*fp8e4nv", "*fp8e5", "*fp32", "i32", "constexpr"
 
 
-def comp(fn, sig, consts, warps=4):
-    src = ASTSource(fn=fn, signature=dict(sig, **{k: c for k in consts}), constexprs=consts)
+def comp(fn, sig, consts, warps=4, div16=False):
+    """div16: every pointer and integer argument divisible by 16 (what the launcher's specialization
+    gives at aligned shapes)."""
+    full = dict(sig, **{k: c for k in consts})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if div16 and (t.startswith("*") or t == "i32")}
+    src = ASTSource(fn=fn, signature={a: full[a] for a in fn.arg_names}, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=target, options={"num_warps": warps})
     assert "cvt" in k.asm["ptx"]
     return k
+
+
+def count(ptx, op):
+    """Instructions `op` (exactly, predicated or not) in the PTX."""
+    return len(re.findall(r"^\s*(?:@!?%p\d+\s+)?" + re.escape(op) + r"[\s;]", ptx, re.M))
+
+
+def check_1x16(k, name, bm, bg, warps, split, in_bf16=0, in_fp8=0, codes=0, out_bf16=0, divs=0, amax=False):
+    """PTX facts of a 1x16 kernel compiled with div16 (see the module docstring): in_bf16 / in_fp8
+    tensors loaded, `codes` fp8 tensors and `out_bf16` bf16 tensors stored, `divs` quantized tensors."""
+    ptx = k.asm["ptx"]
+    e = bm * bg * 16 // (32 * warps)  # elements per thread
+    assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx, f"{name}: 2-byte loads"
+    assert "ld.global.b8" not in ptx and "st.global.b8" not in ptx, f"{name}: 1-byte accesses"
+    assert "ctaid.y" not in ptx, f"{name}: 2-D grid"
+    # fp8 tiles: a thread's 16 (split 1) or 8 (split 2) codes are one 16- or 8-byte access
+    want = {"ld.global.v4.b32": in_bf16 * e // 8 + (in_fp8 * e // 16 if split == 1 else 0),
+            "ld.global.v2.b32": in_fp8 * e // 8 if split == 2 else 0,
+            "st.global.v2.b32": codes * e // 8 if split == 2 else 0}
+    if split == 2:  # bf16 outputs stored from the same registers: 16-byte stores, no conversion
+        want["st.global.v4.b32"] = out_bf16 * e // 8
+        assert "st.shared.v4" not in ptx, f"{name}: an output goes through a shared-memory conversion"
+    elif not out_bf16:
+        want["st.global.v4.b32"] = codes * e // 16
+    for op, n in want.items():
+        assert count(ptx, op) == n, f"{name}: {count(ptx, op)} {op}, want {n}"
+    # the scale and its reciprocal: two IEEE divisions per group (or half group, split 2) a thread holds
+    n = count(ptx, "div.rn.f32")
+    assert n == 2 * divs * e * split // 16, f"{name}: {n} div.rn, want {2 * divs * e * split // 16}"
+    if amax:
+        assert "acq_rel" not in ptx and "membar" not in ptx and "fence" not in ptx, f"{name}: fenced atomic"
+        n = sum(ptx.count(op) for op in ("red.global", "atom.global"))
+        assert n == 1, f"{name}: {n} atomics, want one relaxed reduction"
 
 
 k = comp(Q.amax_kernel, dict(x_ptr=bf, out_ptr=f32, n=i32), dict(BLOCK=4096, ITERS=4), 8)
@@ -34,10 +82,16 @@ for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
         k = comp(Q.cast_kernel, dict(x_ptr=bf, amax_ptr=f32, scale_ptr=f32, q_ptr=qty, qt_ptr=qty, M=i32, K=i32,
                                      stride_x=i32), dict(FMAX=fmax, EPS=1e-12, TRANSPOSE=t, BM=128, BK=128), 8)
         assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
-    k = comp(Q.quantize_1x16_kernel, dict(x_ptr=bf, q_ptr=qty, s_ptr=bf, M=i32, K=i32, G=i32, stride_x=i32),
-             dict(FMAX=fmax, EPS=1e-12, BM=32, BG=16), 8)
-    assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
-    comp(Q.dequantize_1x16_kernel, dict(q_ptr=qty, s_ptr=bf, y_ptr=bf, M=i32, K=i32, G=i32), dict(BM=32, BG=16), 8)
+    qsig = dict(x_ptr=bf, q_ptr=qty, s_ptr=bf, M=i32, K=i32, G=i32, stride_x=i32)
+    dsig = dict(q_ptr=qty, s_ptr=bf, y_ptr=bf, M=i32, K=i32, G=i32)
+    for bm, bg, w, split in TILES:
+        k = comp(Q.quantize_1x16_kernel, qsig, dict(FMAX=fmax, EPS=1e-12, BM=bm, BG=bg, SPLIT=split), w)
+        assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
+        k = comp(Q.quantize_1x16_kernel, qsig, dict(FMAX=fmax, EPS=1e-12, BM=bm, BG=bg, SPLIT=split), w, True)
+        check_1x16(k, f"quantize_1x16 {bm, bg, w, split}", bm, bg, w, split, in_bf16=1, codes=1, divs=1)
+        comp(Q.dequantize_1x16_kernel, dsig, dict(BM=bm, BG=bg, SPLIT=split), w)
+        k = comp(Q.dequantize_1x16_kernel, dsig, dict(BM=bm, BG=bg, SPLIT=split), w, True)
+        check_1x16(k, f"dequantize_1x16 {bm, bg, w, split}", bm, bg, w, split, in_fp8=1, out_bf16=1)
 norm_sig = dict(x_ptr=bf, r_ptr=bf, s_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32,
                 mean_ptr=f32, amax_ptr=f32, M=i32, K=i32, G=i32, eps="fp32")
 bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dres_ptr=bf, dx_ptr=bf, dw_ptr=f32,
@@ -53,15 +107,28 @@ for rms in (True, False):
     # inductor launches user kernels with Python floats as fp64 (the COAT run failed to compile there)
     comp(A.norm_fwd_kernel, dict(norm_sig, eps="fp64"), dict(HAS_RES=True, RMS=rms, HAS_BIAS=False, FMAX=448.0,
                                                              EPS=1e-12, BR=4, BG=32), 4)
-comp(A.swiglu_fwd_kernel, dict(h_ptr=bf, p_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32),
-     dict(FMAX=448.0, EPS=1e-12, BM=16, BG=16))
-comp(A.swiglu_bwd_kernel, dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32),
-     dict(BM=16, BG=16))
-for kind in (0, 1):
-    comp(A.act_fwd_kernel, dict(h_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, K=i32, G=i32),
-         dict(KIND=kind, FMAX=448.0, EPS=1e-12, BM=16, BG=16))
-    comp(A.act_bwd_kernel, dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, M=i32, K=i32, G=i32),
-         dict(KIND=kind, BM=16, BG=16))
+swf = dict(h_ptr=bf, p_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32)
+swb = dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, amax_ptr=f32, M=i32, F=i32, G=i32)
+af = dict(h_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, M=i32, K=i32, G=i32)
+ab = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, dh_ptr=bf, M=i32, K=i32, G=i32)
+for bm, bg, w, split in TILES:
+    t = dict(BM=bm, BG=bg, SPLIT=split)
+    name = f"{bm, bg, w, split}"
+    comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w)
+    comp(A.swiglu_bwd_kernel, swb, t, w)
+    k = comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w, True)
+    # gate and up: 16-byte loads, codes, a div pair per group each; p: 16-byte stores without conversion
+    check_1x16(k, "swiglu_fwd " + name, bm, bg, w, split, in_bf16=2, codes=2, out_bf16=1, divs=2, amax=True)
+    k = comp(A.swiglu_bwd_kernel, swb, t, w, True)
+    check_1x16(k, "swiglu_bwd " + name, bm, bg, w, split, in_bf16=1, in_fp8=2, out_bf16=2, amax=True)
+    for kind in (0, 1):
+        comp(A.act_fwd_kernel, af, dict(KIND=kind, FMAX=448.0, EPS=1e-12, **t), w)
+        comp(A.act_bwd_kernel, ab, dict(KIND=kind, **t), w)
+        k = comp(A.act_fwd_kernel, af, dict(KIND=kind, FMAX=448.0, EPS=1e-12, **t), w, True)
+        check_1x16(k, f"act_fwd {kind} " + name, bm, bg, w, split, in_bf16=1, codes=1, out_bf16=1, divs=1,
+                   amax=True)
+        k = comp(A.act_bwd_kernel, ab, dict(KIND=kind, **t), w, True)
+        check_1x16(k, f"act_bwd {kind} " + name, bm, bg, w, split, in_bf16=1, in_fp8=1, out_bf16=1)
 print("compiled all")
 '''
 

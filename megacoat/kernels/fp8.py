@@ -16,10 +16,11 @@ FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 EPS = 1e-12
 AMAX_BLOCK = 4096
 AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer programs, fewer atomics
-# Tile sizes and warps per kernel: (rows, cols or 16-groups, num_warps). A dict so that
+# Tile sizes and warps per kernel: cast (rows, cols, num_warps); 1x16 kernels (rows, 16-groups,
+# num_warps, split: threads per group, 1 or 2; see kernels/triton/fp8_quant.py). A dict so that
 # benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use.
 # cast: 128x128 tiles so that each row of the transposed copy is written 128 bytes at a time.
-TILES = {"cast": (128, 128, 8), "quantize_1x16": (32, 16, 8), "dequantize_1x16": (32, 16, 8)}
+TILES = {"cast": (128, 128, 8), "quantize_1x16": (16, 16, 4, 1), "dequantize_1x16": (16, 16, 4, 2)}
 SCALE_DTYPE_1X16 = torch.bfloat16  # group scales, rounded up (see kernels/triton/fp8_quant.py)
 
 
@@ -72,10 +73,9 @@ def quantize_1x16(x: torch.Tensor, fmt: str):
     g = triton_cdiv(k, 16)
     q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
     s = torch.empty((m, g), dtype=SCALE_DTYPE_1X16, device=x.device)
-    bm, bg, warps = TILES["quantize_1x16"]
-    grid = (triton_cdiv(m, bm), triton_cdiv(g, bg))
-    _k().quantize_1x16_kernel[grid](x2, q, s, m, k, g, x2.stride(0), FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BG=bg,
-                                    num_warps=warps)
+    bm, bg, warps, split = TILES["quantize_1x16"]
+    _k().quantize_1x16_kernel[group_grid(m, g, bm, bg)](x2, q, s, m, k, g, x2.stride(0), FMAX=FP8_MAX[fmt], EPS=EPS,
+                                                        BM=bm, BG=bg, SPLIT=split, num_warps=warps)
     return q.view(x.shape), s.view(*x.shape[:-1], g)
 
 
@@ -87,11 +87,16 @@ def dequantize_1x16(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         raise ValueError(f"1x16 scales of shape {tuple(scales.shape)} do not match codes of shape {tuple(q.shape)}")
     s2 = scales.contiguous().view(-1, g)
     y = torch.empty((m, k), dtype=dtype, device=q.device)
-    bm, bg, warps = TILES["dequantize_1x16"]
-    grid = (triton_cdiv(m, bm), triton_cdiv(g, bg))
-    _k().dequantize_1x16_kernel[grid](q2, s2, y, m, k, g, BM=bm, BG=bg, num_warps=warps)
+    bm, bg, warps, split = TILES["dequantize_1x16"]
+    _k().dequantize_1x16_kernel[group_grid(m, g, bm, bg)](q2, s2, y, m, k, g, BM=bm, BG=bg, SPLIT=split,
+                                                          num_warps=warps)
     return y.view(q.shape)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def group_grid(m: int, g: int, bm: int, bg: int):
+    """The 1-D grid of the 1x16 tile kernels (`group_tile`: group blocks fastest)."""
+    return (triton_cdiv(m, bm) * triton_cdiv(g, bg),)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import torch
 
 from . import TraceableKernels
-from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, triton_cdiv
+from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, triton_cdiv
 
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
-# (rows, 16-groups, num_warps) of the element-wise kernels; the norms take whole rows (see _norm_tile).
+# (rows, 16-groups, num_warps, split) of each element-wise kernel (split: threads per 16-group, 1 or 2;
+# see kernels/triton/fp8_quant.py); the norms take whole rows (see _norm_tile).
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
-TILES = {"elementwise": (16, 16, 4), "norm_elems_per_program": 4096}
+TILES = {"act_fwd": (16, 16, 4, 2), "act_bwd": (16, 16, 4, 2), "swiglu_fwd": (16, 16, 4, 2),
+         "swiglu_bwd": (16, 16, 4, 2), "norm_elems_per_program": 4096}
 
 
 def _k():
@@ -85,9 +87,9 @@ def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=Non
             db.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0))
 
 
-def _ew_grid(m: int, g: int):
-    bm, bg, warps = TILES["elementwise"]
-    return bm, bg, warps, (triton_cdiv(m, bm), triton_cdiv(g, bg))
+def _ew_grid(name: str, m: int, g: int):
+    bm, bg, warps, split = TILES[name]
+    return dict(BM=bm, BG=bg, SPLIT=split, num_warps=warps), group_grid(m, g, bm, bg)
 
 
 def swiglu_fwd(h):
@@ -101,10 +103,9 @@ def swiglu_fwd(h):
     p = torch.empty((m, f), dtype=h.dtype, device=dev)
     q = torch.empty((m, 2, f), dtype=FP8_DTYPE[SAVE], device=dev)
     qs = torch.empty((m, 2, g), dtype=SCALE_DTYPE_1X16, device=dev)
-    bm, bg, warps, grid = _ew_grid(m, g)
+    tile, grid = _ew_grid("swiglu_fwd", m, g)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    _k().swiglu_fwd_kernel[grid](h2, p, q, qs, amax, m, f, g, FMAX=FP8_MAX[SAVE], EPS=EPS, BM=bm, BG=bg,
-                                 num_warps=warps)
+    _k().swiglu_fwd_kernel[grid](h2, p, q, qs, amax, m, f, g, FMAX=FP8_MAX[SAVE], EPS=EPS, **tile)
     lead = h.shape[:-1]
     return p.view(*lead, f), amax, q.view(*lead, 2, f), qs.view(*lead, 2, g)
 
@@ -116,9 +117,9 @@ def swiglu_bwd(dp, hq, hs):
     m, g = dp2.shape[0], triton_cdiv(f, 16)
     dh = torch.empty((m, 2 * f), dtype=dp.dtype, device=dp.device)
     amax = torch.zeros((), dtype=torch.float32, device=dp.device)
-    bm, bg, warps, grid = _ew_grid(m, g)
+    tile, grid = _ew_grid("swiglu_bwd", m, g)
     _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, amax, m, f,
-                                 g, BM=bm, BG=bg, num_warps=warps)
+                                 g, **tile)
     return dh.view(*dp.shape[:-1], 2 * f), amax
 
 
@@ -130,10 +131,9 @@ def act_fwd(h, kind: str):
     y = torch.empty_like(h2)
     q = torch.empty((m, k), dtype=FP8_DTYPE[SAVE], device=dev)
     qs = torch.empty((m, g), dtype=SCALE_DTYPE_1X16, device=dev)
-    bm, bg, warps, grid = _ew_grid(m, g)
+    tile, grid = _ew_grid("act_fwd", m, g)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    _k().act_fwd_kernel[grid](h2, y, q, qs, amax, m, k, g, KIND=ACT_KIND[kind], FMAX=FP8_MAX[SAVE], EPS=EPS,
-                              BM=bm, BG=bg, num_warps=warps)
+    _k().act_fwd_kernel[grid](h2, y, q, qs, amax, m, k, g, KIND=ACT_KIND[kind], FMAX=FP8_MAX[SAVE], EPS=EPS, **tile)
     return y.view(h.shape), amax, q.view(h.shape), qs.view(*h.shape[:-1], g)
 
 
@@ -142,7 +142,7 @@ def act_bwd(dy, hq, hs, kind: str):
     dy2 = dy.view(-1, k)
     m, g = dy2.shape[0], triton_cdiv(k, 16)
     dh = torch.empty_like(dy2)
-    bm, bg, warps, grid = _ew_grid(m, g)
+    tile, grid = _ew_grid("act_bwd", m, g)
     _k().act_bwd_kernel[grid](dy2, hq.contiguous().view(m, k), hs.contiguous().view(m, g), dh, m, k, g,
-                              KIND=ACT_KIND[kind], BM=bm, BG=bg, num_warps=warps)
+                              KIND=ACT_KIND[kind], **tile)
     return dh.view(dy.shape)

@@ -1,7 +1,9 @@
 """Fused Triton kernels of the FP8 activation path (reference: megacoat/precision/activations.py).
 
-Tiles are [rows, groups, 16] so that the 1x16 group scales of the saved E4M3 copies come out of
-the same registers that compute the op; masked lanes hold 0 and never raise a group's amax.
+Tiles are [rows, groups, 16] (norms) or [rows, groups, SPLIT, 16 // SPLIT] (element-wise kernels:
+1-D grid, group blocks fastest; see `group_tile` in fp8_quant.py) so that the 1x16 group scales of
+the saved E4M3 copies come out of the same registers that compute the op; masked lanes hold 0 and
+never raise a group's amax.
 Forward kernels also reduce the per-tensor amax of their output (as rounded to its dtype: exactly
 what the following per-tensor cast reads) into a zeroed fp32 scalar, one atomic max per program,
 so the consumer's cast needs no amax pass and no extra launch. Group scales are bf16 (rounded up).
@@ -9,7 +11,7 @@ so the consumer's cast needs no amax pass and no extra launch. Group scales are 
 import triton
 import triton.language as tl
 
-from .fp8_quant import quantize_groups_store
+from .fp8_quant import atomic_max_amax, group_tile, quantize_groups_store, quantize_groups_store4
 
 GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); globals in jit code must be constexpr
 
@@ -24,6 +26,15 @@ def _tile(rows, groups, lanes, M, K):
 @triton.jit
 def _tile_amax(y, mask):
     return tl.max(tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=2), axis=1)
+
+
+@triton.jit
+def _amax4(y):
+    """max |y| of a 4-D tile whose masked lanes hold f(0) = 0 (SiLU, GELU, SwiGLU and their gradients
+    of zero loads are exactly 0, so no mask is needed). Flattened first (a view of the registers; max
+    is exact in any order): one in-thread pass, one warp reduction, one across warps, not one per axis."""
+    a = tl.abs(y.to(tl.float32))
+    return tl.max(tl.reshape(a, (a.numel,)), axis=0)
 
 
 @triton.jit
@@ -138,42 +149,35 @@ def _act_grad(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G,
-                      FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G, FMAX: tl.constexpr, EPS: tl.constexpr,
+                      BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
     """h [M, 2F] = [gate; up] -> p = silu(gate) * up [M, F]; saved codes [M, 2, F], scales [M, 2, G]."""
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols, mask = _tile(rows, groups, lanes, M, F)
-    off = rows[:, None, None] * (2 * F) + cols
+    rows, groups, cols, mask, gmask = group_tile(M, F, G, BM, BG, SPLIT)
+    r4 = rows[:, None, None, None]
+    off = r4 * (2 * F) + cols
     gate = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + off + F, mask=mask, other=0.0).to(tl.float32)
-    gmask = (rows[:, None] < M) & (groups[None, :] < G)
-    quantize_groups_store(gate, rows, groups, lanes, mask, gmask, q_ptr, qs_ptr, 2 * F, 2 * G, FMAX, EPS)
-    quantize_groups_store(up, rows, groups, lanes, mask, gmask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
+    quantize_groups_store4(gate, rows, groups, cols, mask, gmask, q_ptr, qs_ptr, 2 * F, 2 * G, FMAX, EPS)
+    quantize_groups_store4(up, rows, groups, cols, mask, gmask, q_ptr + F, qs_ptr + G, 2 * F, 2 * G, FMAX, EPS)
     p = (gate * tl.sigmoid(gate) * up).to(p_ptr.dtype.element_ty)
-    tl.store(p_ptr + rows[:, None, None] * F + cols, p, mask=mask)
-    tl.atomic_max(amax_ptr, tl.max(_tile_amax(p, mask), axis=0))
+    tl.store(p_ptr + r4 * F + cols, p, mask=mask)
+    atomic_max_amax(amax_ptr, _amax4(p))
 
 
 @triton.jit
-def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr):
+def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr,
+                      SPLIT: tl.constexpr):
     """dh = [dgate; dup] from the saved FP8 gate and up; also max |dh| (as rounded) into amax_ptr:
     dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass)."""
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols, mask = _tile(rows, groups, lanes, M, F)
-    gmask = (rows[:, None] < M) & (groups[None, :] < G)
-    off2 = rows[:, None, None] * (2 * F) + cols
+    rows, groups, cols, mask, gmask = group_tile(M, F, G, BM, BG, SPLIT)
+    r4 = rows[:, None, None, None]
+    off2 = r4 * (2 * F) + cols
     soff = rows[:, None] * (2 * G) + groups[None, :]
     gate = tl.load(q_ptr + off2, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+        tl.load(qs_ptr + soff, mask=gmask, other=0.0).to(tl.float32)[:, :, None, None]
     up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-    g = tl.load(dp_ptr + rows[:, None, None] * F + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None, None]
+    g = tl.load(dp_ptr + r4 * F + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
     dup = g * gate * sig
@@ -181,36 +185,27 @@ def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.c
     dup = dup.to(dh_ptr.dtype.element_ty)
     tl.store(dh_ptr + off2, dgate, mask=mask)
     tl.store(dh_ptr + off2 + F, dup, mask=mask)
-    tl.atomic_max(amax_ptr, tl.max(tl.maximum(_tile_amax(dgate, mask), _tile_amax(dup, mask)), axis=0))
+    atomic_max_amax(amax_ptr, _amax4(tl.maximum(tl.abs(dgate.to(tl.float32)), tl.abs(dup.to(tl.float32)))))
 
 
 @triton.jit
-def act_fwd_kernel(h_ptr, y_ptr, q_ptr, qs_ptr, amax_ptr, M, K, G, KIND: tl.constexpr,
-                   FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols, mask = _tile(rows, groups, lanes, M, K)
-    off = rows[:, None, None] * K + cols
+def act_fwd_kernel(h_ptr, y_ptr, q_ptr, qs_ptr, amax_ptr, M, K, G, KIND: tl.constexpr, FMAX: tl.constexpr,
+                   EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
+    rows, groups, cols, mask, gmask = group_tile(M, K, G, BM, BG, SPLIT)
+    off = rows[:, None, None, None] * K + cols
     x = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    gmask = (rows[:, None] < M) & (groups[None, :] < G)
-    quantize_groups_store(x, rows, groups, lanes, mask, gmask, q_ptr, qs_ptr, K, G, FMAX, EPS)
+    quantize_groups_store4(x, rows, groups, cols, mask, gmask, q_ptr, qs_ptr, K, G, FMAX, EPS)
     y = _act(x, KIND).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, y, mask=mask)
-    tl.atomic_max(amax_ptr, tl.max(_tile_amax(y, mask), axis=0))
+    atomic_max_amax(amax_ptr, _amax4(y))
 
 
 @triton.jit
-def act_bwd_kernel(dy_ptr, q_ptr, qs_ptr, dh_ptr, M, K, G, KIND: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols, mask = _tile(rows, groups, lanes, M, K)
-    off = rows[:, None, None] * K + cols
-    s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=(rows[:, None] < M) & (groups[None, :] < G),
-                other=0.0).to(tl.float32)
-    x = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32) * s[:, :, None]
+def act_bwd_kernel(dy_ptr, q_ptr, qs_ptr, dh_ptr, M, K, G, KIND: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    rows, groups, cols, mask, gmask = group_tile(M, K, G, BM, BG, SPLIT)
+    off = rows[:, None, None, None] * K + cols
+    s = tl.load(qs_ptr + rows[:, None] * G + groups[None, :], mask=gmask, other=0.0).to(tl.float32)
+    x = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32) * s[:, :, None, None]
     g = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(dh_ptr + off, (g * _act_grad(x, KIND)).to(dh_ptr.dtype.element_ty), mask=mask)

@@ -9,6 +9,15 @@ The per-tensor amax is reduced in the kernel that reads the tensor (one atomic m
 zeroed fp32 scalar: max is exact in any order), so a quantization is one launch after its producer.
 The `@triton.jit` helpers at the top are shared with the fused activation kernels (fp8_act.py).
 Every kernel masks its edges, so any shape works.
+
+1x16 tiles (quantize/dequantize here, the element-wise kernels of fp8_act.py) are 4-D,
+[rows, groups, SPLIT, 16 // SPLIT]: with SPLIT = 2 each thread holds 8 contiguous elements (one
+16-byte bf16 load, warps read 512 contiguous bytes per instruction, every operand of a kernel gets
+the same layout, so no shared-memory conversion) and a group's max is one shuffle between the two
+threads of the group; with SPLIT = 1 a thread holds a whole group (two 16-byte loads 32 bytes apart,
+one 16-byte store of codes). The grid is 1-D with the group blocks fastest, so consecutive programs
+read consecutive memory (a 2-D grid with the row blocks in x has every wave read one narrow column
+strip of the whole tensor: HBM pages opened for 512 bytes, the 1x16 quantizer at half a copy's speed).
 """
 import triton
 import triton.language as tl
@@ -49,6 +58,48 @@ def quantize_groups_store(v, rows, groups, lanes, mask, gmask, q_ptr, s_ptr, str
 
 
 @triton.jit
+def atomic_max_amax(amax_ptr, v):
+    """amax_ptr (a zeroed fp32 scalar) = max(it, v) for v >= 0 (an amax): one int32 atomic max on the
+    bits (non-negative floats order as their bits; Triton's float atomic max issues this one too for
+    v >= 0, plus a min.u32 for negative v and a barrier around each), relaxed: the kernel boundary
+    orders it for the consumer, and acq_rel costs a MEMBAR.GPU and an L1 invalidation per program."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), v.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def group_tile(M, K, G, BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's [BM, BG, SPLIT, 16 // SPLIT] tile of a 1-D grid over (row blocks, group blocks),
+    group blocks fastest. -> (rows [BM] int64, groups [BG], cols [1, BG, SPLIT, 16 // SPLIT],
+    mask [BM, BG, SPLIT, 16 // SPLIT], gmask [BM, BG]: the groups that exist)."""
+    pid = tl.program_id(0)
+    ng = tl.cdiv(G, BG)
+    pid_m = pid // ng
+    pid_g = pid - pid_m * ng
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    groups = pid_g * BG + tl.arange(0, BG)
+    cols = (groups[None, :, None, None] * 16 + tl.arange(0, SPLIT)[None, None, :, None] * (16 // SPLIT)
+            + tl.arange(0, 16 // SPLIT)[None, None, None, :])
+    rmask = rows < M
+    mask = rmask[:, None, None, None] & (cols < K)
+    gmask = rmask[:, None] & (groups[None, :] < G)
+    return rows, groups, cols, mask, gmask
+
+
+@triton.jit
+def quantize_groups_store4(v, rows, groups, cols, mask, gmask, q_ptr, s_ptr, stride_q, stride_s,
+                           FMAX: tl.constexpr, EPS: tl.constexpr):
+    """`quantize_groups_store` on a [BM, BG, SPLIT, 16 // SPLIT] tile (see `group_tile`); masked
+    lanes hold 0. The same operations per group (max, div_rn twice, round-up), per element (one
+    multiply, clamp, cast)."""
+    gmax = tl.max(tl.max(tl.abs(v), axis=3), axis=2)
+    scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = sat_cast(v * inv[:, :, None, None], FMAX, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None, None, None] * stride_q + cols, q, mask=mask)
+    tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :], scale.to(s_ptr.dtype.element_ty), mask=gmask)
+
+
+@triton.jit
 def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """out (zeroed fp32 scalar) = max(out, max |x|) over ITERS blocks of BLOCK elements per program."""
     pid = tl.program_id(0)
@@ -85,28 +136,18 @@ def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
 
 
 @triton.jit
-def quantize_1x16_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_x,
-                         FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols = groups[None, :, None] * 16 + lanes[None, None, :]
-    mask = (rows[:, None, None] < M) & (cols < K)
-    v = tl.load(x_ptr + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    gmask = (rows[:, None] < M) & (groups[None, :] < G)
-    quantize_groups_store(v, rows, groups, lanes, mask, gmask, q_ptr, s_ptr, K, G, FMAX, EPS)
+def quantize_1x16_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_x, FMAX: tl.constexpr, EPS: tl.constexpr,
+                         BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
+    """1-D grid of cdiv(M, BM) * cdiv(G, BG) programs (see `group_tile`)."""
+    rows, groups, cols, mask, gmask = group_tile(M, K, G, BM, BG, SPLIT)
+    v = tl.load(x_ptr + rows[:, None, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    quantize_groups_store4(v, rows, groups, cols, mask, gmask, q_ptr, s_ptr, K, G, FMAX, EPS)
 
 
 @triton.jit
-def dequantize_1x16_kernel(q_ptr, s_ptr, y_ptr, M, K, G, BM: tl.constexpr, BG: tl.constexpr):
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_g * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols = groups[None, :, None] * 16 + lanes[None, None, :]
-    mask = (rows[:, None, None] < M) & (cols < K)
-    q = tl.load(q_ptr + rows[:, None, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + rows[:, None] * G + groups[None, :], mask=(rows[:, None] < M) & (groups[None, :] < G),
-                other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None, None] * K + cols, (q * s[:, :, None]).to(y_ptr.dtype.element_ty), mask=mask)
+def dequantize_1x16_kernel(q_ptr, s_ptr, y_ptr, M, K, G, BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
+    rows, groups, cols, mask, gmask = group_tile(M, K, G, BM, BG, SPLIT)
+    off = rows[:, None, None, None] * K + cols
+    q = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows[:, None] * G + groups[None, :], mask=gmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, (q * s[:, :, None, None]).to(y_ptr.dtype.element_ty), mask=mask)
