@@ -75,7 +75,7 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     yb = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, yb, mask=mask)
-    tl.atomic_max(amax_ptr, tl.max(_tile_amax(yb, mask), axis=0))
+    atomic_max_amax(amax_ptr, tl.max(_tile_amax(yb, mask), axis=0))
 
 
 @triton.jit

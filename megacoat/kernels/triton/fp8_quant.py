@@ -108,7 +108,7 @@ def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
-    tl.atomic_max(out_ptr, tl.max(acc, axis=0))
+    atomic_max_amax(out_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
