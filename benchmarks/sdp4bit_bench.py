@@ -114,36 +114,30 @@ def kernel_cases(n, dev, key):
     K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key)
     out = torch.empty(S, device=dev)
     scale = C.as_fp32(1 / 128)
+
+    def enc(src, hadamard, cuda, what):
+        """A TLq encode entry: the Triton or CUDA kernel on `src`, its bytes, and its reference check."""
+        args = (src, m1, S, 0, S, L, N, 8, 128, hadamard, key)
+        run = (lambda: _cuda_encode(K, *args)) if cuda else (lambda: K.encode_partitioned_triton(*args))
+        return (run, src.element_size() * n + m1.numel(), what,
+                (m1, lambda o: C.encode_partitioned_reference(src, o, *args[2:])))
+
     return {
         "qwd_encode_delta_int4": (lambda: K.encode_delta(master, w, msg, 4, 2048, key, False), 6 * n + msg.numel(),
                                   "fp32 master + bf16 weights -> int4 delta message (G 2048)",
                                   (msg, lambda o: C.encode_delta_reference(master, w, o, 4, 2048, key, False))),
         "qwd_apply_delta_int4": (lambda: K.apply_delta(msgs, w2, 4, 2048, False), 4 * n + msgs.numel(),
                                  "bf16 weights += dequant(int4 messages of 2 ranks)", None),
-        "tlq_encode_hadamard_int8": (lambda: K.encode_partitioned_triton(grad, m1, S, 0, S, L, N, 8, 128, True, key),
-                                     4 * n + m1.numel(),
-                                     "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2",
-                                     (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, True,
-                                                                                   key))),
-        "tlq_encode_int8_no_hadamard": (lambda: K.encode_partitioned_triton(grad, m1, S, 0, S, L, N, 8, 128, False,
-                                                                            key),
-                                        4 * n + m1.numel(), "the same without the Hadamard transform (TLq)", None),
-        "tlq_encode_hadamard_int8_cuda": (
-            lambda: _cuda_encode(K, grad, m1, S, 0, S, L, N, 8, 128, True, key), 4 * n + m1.numel(),
-            "CUDA C++ kernel: fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2",
-            (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, True, key))),
-        "tlq_encode_int8_no_hadamard_cuda": (
-            lambda: _cuda_encode(K, grad, m1, S, 0, S, L, N, 8, 128, False, key), 4 * n + m1.numel(),
-            "CUDA C++ kernel without the Hadamard transform",
-            (m1, lambda o: C.encode_partitioned_reference(grad, o, S, 0, S, L, N, 8, 128, False, key))),
-        "tlq_encode_hadamard_int8_bf16": (
-            lambda: K.encode_partitioned_triton(grad16, m1, S, 0, S, L, N, 8, 128, True, key), 2 * n + m1.numel(),
-            "Triton: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2",
-            (m1, lambda o: C.encode_partitioned_reference(grad16, o, S, 0, S, L, N, 8, 128, True, key))),
-        "tlq_encode_hadamard_int8_bf16_cuda": (
-            lambda: _cuda_encode(K, grad16, m1, S, 0, S, L, N, 8, 128, True, key), 2 * n + m1.numel(),
-            "CUDA C++: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2",
-            (m1, lambda o: C.encode_partitioned_reference(grad16, o, S, 0, S, L, N, 8, 128, True, key))),
+        "tlq_encode_hadamard_int8": enc(grad, True, False,
+                                        "fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2"),
+        "tlq_encode_int8_no_hadamard": enc(grad, False, False, "the same without the Hadamard transform (TLq)"),
+        "tlq_encode_hadamard_int8_cuda": enc(
+            grad, True, True, "CUDA C++ kernel: fp32 bucket -> Hadamard -> int8 (G 128) in partition order, 2 x 2"),
+        "tlq_encode_int8_no_hadamard_cuda": enc(grad, False, True, "CUDA C++ kernel without the Hadamard transform"),
+        "tlq_encode_hadamard_int8_bf16": enc(grad16, True, False,
+                                             "Triton: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2"),
+        "tlq_encode_hadamard_int8_bf16_cuda": enc(grad16, True, True,
+                                                  "CUDA C++: bf16 bucket -> Hadamard -> int8 (G 128), 2 x 2"),
         "tlq_reduce_requantize_int8_to_int4": (
             lambda: K.reduce_requantize_triton(m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
             "2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",

@@ -85,6 +85,18 @@ struct Src<__nv_bfloat16> {
   }
 };
 
+// 16 bytes of codes at dst: one vector store when aligned (asm: the compiler must not merge it with
+// the 4-byte stores of the other path), else four 4-byte stores.
+__device__ __forceinline__ void store_codes16(uint8_t* dst, const uint32_t (&o)[4], bool vec) {
+  if (vec) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                 "r"(o[3]) : "memory");
+  } else {
+    uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+    d4[0] = o[0]; d4[1] = o[1]; d4[2] = o[2]; d4[3] = o[3];
+  }
+}
+
 // Block element index of register r in lane half t: bit LB of the index is t.
 template <int LB>
 __device__ __forceinline__ constexpr int elem(int r, int t) {
@@ -204,14 +216,7 @@ __global__ void __launch_bounds__(kWarps * 32) encode_kernel(const Params P) {
     }
     if (active) {
       uint8_t* msg = P.out + (int64_t)d * P.msg_bytes;
-      uint8_t* dst = msg + pos0 + 16 * t;
-      if (P.vec_store) {  // asm: the compiler must not merge it with the 4-byte stores
-        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
-                     "r"(o[3]) : "memory");
-      } else {
-        uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
-        d4[0] = o[0]; d4[1] = o[1]; d4[2] = o[2]; d4[3] = o[3];
-      }
+      store_codes16(msg + pos0 + 16 * t, o, P.vec_store);
       if (lane % LPG == 0)
         reinterpret_cast<float*>(msg + P.n)[(int64_t)b * P.groups_per_slice + j] = scale;
     }
@@ -473,14 +478,7 @@ __global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) 
       o[k] = bad ? 0x88888888u : wd;  // non-finite group: q = 0
     }
     if (active) {
-      uint8_t* dst = msg_out + pos0 / 2;
-      if (P.vec_store) {  // asm: the compiler must not merge it with the 4-byte stores
-        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
-                     "r"(o[3]) : "memory");
-      } else {
-        uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
-        d4[0] = o[0]; d4[1] = o[1]; d4[2] = o[2]; d4[3] = o[3];
-      }
+      store_codes16(msg_out + pos0 / 2, o, P.vec_store);
       if (sub == 0) reinterpret_cast<float*>(msg_out + P.out_scales)[j] = scale;
     }
   }

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megacoat.precision import fp8
+from megacoat.precision.activations import fp8_swiglu
 from megacoat.precision.linear import Fp8WeightCache, fp8_gemm, fp8_gemm_reference, fp8_linear
 from megacoat.precision.recipe import Fp8Recipe
 
@@ -181,7 +182,6 @@ def test_fused_swiglu_equals_linear_then_swiglu(shape):
     """fc1 with activation="swiglu" is the same computation as fc1 followed by fp8_swiglu: identical
     outputs, amax and gradients (the fused node only hands the linear's backward the amax of its
     output gradient instead of reducing it again: max is exact, so the codes are the same)."""
-    from megacoat.precision.activations import fp8_swiglu
     s, b, k, n = shape
     x0 = _data((s, b, k), 30)
     w0 = _data((n, k), 31, scale=0.05)
