@@ -55,7 +55,7 @@ if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   pid=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
   wait $pid
-  cp -r "$HERE/.ext" "$OUT/ext" 2>/dev/null   # carried back as .ext, the next call skips the build
+  tar -C "$HERE" -czf "$OUT/ext.tgz" .ext   # one file (few files come back): unpack as .ext, the next call skips the build
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
   S="$C --num-layers 2 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 2"

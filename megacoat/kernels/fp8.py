@@ -6,6 +6,8 @@ Set MEGACOAT_NO_TRITON=1 to force the references.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from . import TraceableKernels, triton_available
@@ -29,6 +31,7 @@ def available() -> bool:
     return triton_available()
 
 
+@lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused
 def _k():
     from .triton import fp8_quant
     return TraceableKernels(fp8_quant)

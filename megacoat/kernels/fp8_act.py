@@ -5,6 +5,8 @@ when to call them. Triton is imported lazily.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from . import TraceableKernels
@@ -19,6 +21,7 @@ TILES = {"act_fwd": (16, 16, 4, 2), "act_bwd": (16, 16, 4, 2), "swiglu_fwd": (16
          "swiglu_bwd": (16, 16, 4, 2), "norm_elems_per_program": 4096}
 
 
+@lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused
 def _k():
     from .triton import fp8_act
     return TraceableKernels(fp8_act)
