@@ -123,23 +123,23 @@ if has coat1; then
   c1 bf16 && mc c1_bf16 20 $M1
   c1 tensorwise && mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
-  # EXPERIMENT: amax by torch ops inside compiled graphs (inductor may fuse it into the producer)
-  c1 inductor_amax && MEGACOAT_INDUCTOR_AMAX=1 mc c1_coat_inductor_amax 20 $M1 --fp8-format hybrid --fp8-recipe coat
-  c1 inductor_amax && MEGACOAT_INDUCTOR_AMAX=1 mc c1_tensorwise_inductor_amax 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat_fp8states && mc c1_coat_fp8states 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
   c1 coat_gbs32 && mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
   c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
 fi
-if has coat7; then  # 7B: bf16 vs coat (and coat + FP8 optimizer states) at micro-batch 2, then larger micro-batches
-  mc c7_bf16 10 $M7
-  mc c7_coat 10 $M7 --fp8-format hybrid --fp8-recipe coat
-  mc c7_coat_fp8states 10 $M7 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
-  for mb in ${C7_MBS:-4}; do
-    mc c7_bf16_mbs$mb 6 $M7 --micro-batch-size $mb --global-batch-size $mb
+if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, fp8states, torchao), then larger
+  # micro-batches (C7_BF16_MBS / C7_COAT_MBS, default C7_MBS=4) to find the largest each fits
+  c7() { [[ " ${C7_RUNS:-base fp8states torchao} " == *" $1 "* ]]; }
+  if c7 base; then mc c7_bf16 10 $M7; mc c7_coat 10 $M7 --fp8-format hybrid --fp8-recipe coat; fi
+  if c7 fp8states; then
+    mc c7_coat_fp8states 10 $M7 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  fi
+  for mb in ${C7_BF16_MBS:-${C7_MBS:-4}}; do mc c7_bf16_mbs$mb 6 $M7 --micro-batch-size $mb --global-batch-size $mb; done
+  for mb in ${C7_COAT_MBS:-${C7_MBS:-4}}; do
     mc c7_coat_mbs$mb 6 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size $mb --global-batch-size $mb
   done
-  setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p7_torchao_tensorwise --hidden 4096 --layers 32 --heads 32 --ffn 11008 --mbs 2 \
-    --compile --float8 tensorwise --iters 6 --warmup 5
+  if c7 torchao; then setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p7_torchao_tensorwise --hidden 4096 --layers 32 \
+    --heads 32 --ffn 11008 --mbs 2 --compile --float8 tensorwise --iters 6 --warmup 5; fi
 fi
 if has gradmem; then
   mc g7_mbs1_fp32grad 8 $M7 --micro-batch-size 1 --global-batch-size 1

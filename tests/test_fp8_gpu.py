@@ -349,6 +349,10 @@ def test_small_gpt_coat_on_gpu_tracks_fp32():
     """bf16, coat and tensorwise each against an fp32 run of the same model and data. The allowed gap is
     bf16's own gap plus a fixed FP8 margin: on a GPU the bf16 attention/GEMM noise alone moves a
     20-step run by a few hundredths, so a fixed threshold against bf16 (the first H200 run) tested noise.
+    The gap is taken where the runs end (mean of the last 5 losses), not at the worst single step: at
+    lr 3e-3 single steps are chaotic (2026-12-01: coat's worst step was 0.157 off fp32, its last-5 mean
+    0.029; tensorwise 0.083 and 0.015; bf16 0.031 and 0.007), and a rounding change anywhere moves
+    them. Kernel bugs are caught by the kernels-vs-references test above, which compares gradients.
     The first step (no update yet) isolates the forward error: a broken quantizer moves it by > 0.05."""
     losses = {}
     runs = (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("coat", torch.bfloat16, Fp8Recipe()),
@@ -358,12 +362,12 @@ def test_small_gpt_coat_on_gpu_tracks_fp32():
     ref = losses["fp32"]
     assert ref[-1] < ref[0] - 0.5, ref  # the fp32 run learns (on the H200: 5.41 -> 4.69 in 20 steps)
 
-    def gap(name):
-        return max(abs(a - b) for a, b in zip(ref, losses[name]))
+    def gap(name):  # where the run ends: the mean of the last 5 losses against fp32's
+        return abs(sum(losses[name][-5:]) - sum(ref[-5:])) / 5
 
     bf16_gap = gap("bf16")
     for name in ("coat", "tensorwise"):
         first = abs(losses[name][0] - ref[0])
         assert first < 0.05, f"{name}: first-step loss {losses[name][0]:.4f} vs fp32 {ref[0]:.4f}"
-        assert gap(name) < 2 * bf16_gap + 0.06, \
+        assert gap(name) < 2 * bf16_gap + 0.04, \
             f"{name}: gap to fp32 {gap(name):.4f} (bf16's {bf16_gap:.4f}); losses {losses}"

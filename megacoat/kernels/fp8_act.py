@@ -15,10 +15,11 @@ from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, triton_c
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
 # (rows, 16-groups, num_warps, split) of each element-wise kernel (split: threads per 16-group, 1 or 2;
+# the winners of `fp8_bench.py --parts tiles` on the H200, 2026-12-01 session 3 call 2;
 # see kernels/triton/fp8_quant.py); the norms take whole rows (see _norm_tile).
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
-TILES = {"act_fwd": (16, 16, 4, 2), "act_bwd": (16, 16, 4, 2), "swiglu_fwd": (16, 16, 4, 2),
-         "swiglu_bwd": (16, 16, 4, 2), "norm_elems_per_program": 4096}
+TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
+         "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096}
 
 
 @lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused

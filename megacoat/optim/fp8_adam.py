@@ -300,6 +300,14 @@ def _format_code(ms: MomentState) -> int:
     return FORMAT_CODE[ms.fmt]
 
 
+# Per format code (_format_code): the kernel variant measured fastest on the H200 for 256M elements with
+# bf16 gradients (benchmarks/optimizer_bench.py --parts variants, 2026-12-01 session 3 call 1;
+# benchmarks/results/raw/2026-12-01_h200_s3call1_optbench.json): fp32 states 2.062 ms (variant 2) vs
+# 2.089 (0); bf16 1.529 (0); FP8 absmax 1.751 (3) vs 1.996; FP8 expansion, COAT's powf form 5.444 (2)
+# vs 6.895; FP8 expansion, exp2 form (the default) 2.493 (1) vs 2.595.
+FASTEST_VARIANT = {0: 2, 1: 0, 2: 3, 3: 2, 4: 1}
+
+
 def fused_extension():
     """The compiled `csrc/fused_adamw.cu`, or None (then the reference runs; one warning)."""
     from ..kernels.cuda_ext import load_extension
@@ -360,9 +368,10 @@ class PrecisionAwareAdamW:
         self.ext = None
         if dev.type == "cuda" and use_kernel is not False and kernel_supports(self.m, self.v, self.chunks):
             self.ext = fused_extension()
-        # The kernel's work distribution (csrc/fused_adamw.cu, Variant0-3; same results bit for bit):
-        # 0 unless MEGACOAT_ADAMW_VARIANT says otherwise, for benchmarking (benchmarks/optimizer_bench.py).
-        self.variant = int(os.environ.get("MEGACOAT_ADAMW_VARIANT", "0"))
+        # The kernel's work distribution (csrc/fused_adamw.cu, Variant0-3; same results bit for bit): the
+        # fastest measured for this format unless MEGACOAT_ADAMW_VARIANT says otherwise (for benchmarking).
+        env = os.environ.get("MEGACOAT_ADAMW_VARIANT")
+        self.variant = int(env) if env else FASTEST_VARIANT[_format_code(self.m)]
         self._compiled = None
         self._incoming = None  # fp32 moments being loaded from a checkpoint of another format
 

@@ -21,7 +21,6 @@ them whole); eager calls skip the custom-op dispatch (its host cost is paid per 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -212,14 +211,7 @@ def _(q, scales, dtype):
 # ----------------------------------------------------------------------------- public entry points
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| (fp32, 0-d); on the GPU one kernel (atomic max per program), no host sync."""
-    if is_compiling() and _INDUCTOR_AMAX:
-        # EXPERIMENT (measured on the H200 before it stays or goes): plain torch ops, which inductor can
-        # fuse into the kernel that produced x (max is exact in any order: the same value).
-        return x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
     return _amax_op(x) if is_compiling() else _amax_impl(x)
-
-
-_INDUCTOR_AMAX = os.environ.get("MEGACOAT_INDUCTOR_AMAX") == "1"
 
 
 def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool):
