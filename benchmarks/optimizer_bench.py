@@ -12,7 +12,8 @@
              expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
              faster than torch.optim.AdamW(fused=True) with fp32 states).
   variants   every kernel case above under every work distribution of the kernel (csrc/fused_adamw.cu
-             Variant0-3, same operations; 0 the default, used by `kernels`): ms and % of HBM per
+             Variant0-3, same operations; `kernels` times the codec's choice, FASTEST_VARIANT of
+             optim/fp8_adam.py): ms and % of HBM per
              case x variant, and for each variant its state after a few steps (masters, weights,
              codes, s/k/c) equal bit for bit to variant 0's, per format and gradient dtype, on
              chunks not multiples of 128 with misaligned gradients.

@@ -291,7 +291,7 @@ def round_up_group(n: int) -> int:
 
 # ------------------------------------------------------------------------------ the kernel
 FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}  # fp8 with expansion: 3 (exact powf form), 4 (exp2/log2 form)
-KERNEL_VARIANTS = 4  # work distributions of the kernel (csrc/fused_adamw.cu Variant0-3), 0 the default
+KERNEL_VARIANTS = 4  # work distributions of the kernel (csrc/fused_adamw.cu Variant0-3); which one runs: FASTEST_VARIANT
 
 
 def _format_code(ms: MomentState) -> int:

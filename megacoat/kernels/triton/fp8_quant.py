@@ -43,14 +43,20 @@ def round_up_bf16(s):
 
 
 @triton.jit
+def group_scale(gmax, FMAX: tl.constexpr, EPS: tl.constexpr):
+    """1x16 group scales from the groups' max |x| -> (scale rounded up to bf16, its IEEE reciprocal):
+    the per-group operations of every 1x16 quantizer, whatever its tile."""
+    scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
+    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def quantize_groups_store(v, rows, groups, lanes, mask, gmask, q_ptr, s_ptr, stride_q, stride_s,
                           FMAX: tl.constexpr, EPS: tl.constexpr):
     """v: fp32 tile [BM, BG, 16] (masked lanes hold 0), gmask [BM, BG] the groups that exist (from the
     row and group counts: reducing `mask` instead costs a warp reduction per group). Stores 1x16
     codes and bf16 group scales."""
-    gmax = tl.max(tl.abs(v), axis=2)
-    scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scale, inv = group_scale(tl.max(tl.abs(v), axis=2), FMAX, EPS)
     q = sat_cast(v * inv[:, :, None], FMAX, q_ptr.dtype.element_ty)
     cols = groups[None, :, None] * 16 + lanes[None, None, :]
     tl.store(q_ptr + rows[:, None, None] * stride_q + cols, q, mask=mask)
@@ -91,9 +97,7 @@ def quantize_groups_store4(v, rows, groups, cols, mask, gmask, q_ptr, s_ptr, str
     """`quantize_groups_store` on a [BM, BG, SPLIT, 16 // SPLIT] tile (see `group_tile`); masked
     lanes hold 0. The same operations per group (max, div_rn twice, round-up), per element (one
     multiply, clamp, cast)."""
-    gmax = tl.max(tl.max(tl.abs(v), axis=3), axis=2)
-    scale = round_up_bf16(tensor_scale(gmax, FMAX, EPS))
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scale, inv = group_scale(tl.max(tl.max(tl.abs(v), axis=3), axis=2), FMAX, EPS)
     q = sat_cast(v * inv[:, :, None, None], FMAX, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None, None, None] * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :], scale.to(s_ptr.dtype.element_ty), mask=gmask)
