@@ -3,6 +3,8 @@
 #   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
 #   build    the CUDA extensions (tableb builds them itself, in its timing lane)
 #   tests4   the 4-GPU NCCL tests (SDP4Bit as 2 nodes x 2, ZeRO, TP)
+#   nccl     the NCCL tests on every GPU (TP=2 eager and compiled against TP=1, ZeRO overlap, PP=2, SDP4Bit);
+#            runs while the extensions build (a test that needs one waits for the build's lock)
 #   tableb   Table B: ZeRO DP=2 as 2 one-GPU nodes, 1.36B, micro-batch 4, global batch 16, overlap on:
 #            plain vs qWD vs TLq-HS vs both at three link settings (timing lane, GPUs 0,1; 12 steps) and
 #            a one-GPU run with the same per-GPU work (the compute-only reference for exposed
@@ -20,8 +22,10 @@
 #   twonode  4 GPUs as 2 emulated nodes x 2 GPUs: NVLink inside a node, sockets between (t_nvlink adds
 #            the same run with all four on one node)
 #   conv     ~125M model, 2000 steps: plain vs qWD + TLq-HS (CONV_RUNS), validation loss; 2 nodes x 2 on
-#            four GPUs, 2 one-GPU nodes on two
-#   buckets  Table B sockets with both quantized at smaller --ddp-bucket-size (BUCKETS)
+#            four GPUs, 2 one-GPU nodes on two; CONV_RUNS may add sdp4bit_1node (every GPU one node: the
+#            single 8-bit level)
+#   buckets  Table B sockets: plain and both quantized at the default bucket size, then both quantized
+#            at smaller --ddp-bucket-size (BUCKETS), all in one run
 #   loss200  1.36B, 2 x 2 layout, 200 steps: plain vs qWD + TLq-HS
 # Emulated nodes: one torchrun per node, each with its own NCCL_HOSTID, so NCCL treats them as two
 # hosts: it connects ranks of one node over NVLink (P2P) and ranks of different nodes through its
@@ -100,7 +104,14 @@ if has retest; then (  # chosen GPU tests with full tracebacks, one GPU, in the 
   { echo "== retests $(el)"; grep -E "passed|failed|FAILED|^E " $X/retests.txt | cut -c1-300 | tail -40; } >> $LOG ) &
   RETEST_PID=$!
 fi
-has build && build_ext
+if has nccl && [ "$NGPU" -ge 2 ]; then  # the extensions build in the background meanwhile
+  has build && { build_ext & BUILD_PID=$!; }
+  echo "== NCCL tests on $NGPU GPUs $(el)" >> $LOG
+  timeout ${NCCL_TMO:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 150 \
+    tests/test_gpu.py tests/test_pipeline.py tests/test_sdp4bit_dist.py -k nccl > $X/nccl_tests.txt 2>&1
+  grep -E "PASSED|FAILED|passed|failed|skipped|^E " $X/nccl_tests.txt | cut -c1-300 | tail -24 >> $LOG
+  wait ${BUILD_PID:-}
+elif has build; then build_ext; fi
 if has tests4 && [ "$NGPU" -ge 4 ]; then echo "== 4-GPU NCCL tests $(el)" >> $LOG
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 -m gpu \
     tests/test_sdp4bit_dist.py tests/test_gpu.py -k nccl > $X/nccl4_tests.txt 2>&1
@@ -221,8 +232,11 @@ if has conv && [ "$NGPU" -ge 2 ]; then  # four GPUs: 2 nodes x 2; two GPUs: 2 on
   C="--global-batch-size 32 --attention-dropout 0 --hidden-dropout 0 --bf16 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --train-iters 2000 --log-interval 50 --eval-interval 500 --eval-iters 20 $SMALL --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/tokenizer.model $CD $ZERO --ranks-per-node $((NGPU / 2))"
   [[ " ${CONV_RUNS:-plain sdp4bit} " == *" plain "* ]] && TMO=${CONV_TMO:-200} launch c_plain $ALL 1 29900 -- $C
   [[ " ${CONV_RUNS:-plain sdp4bit} " == *" sdp4bit "* ]] && TMO=${CONV_TMO:-200} launch c_sdp4bit $ALL 1 29900 -- $C $QW $QG
+  [[ " ${CONV_RUNS:-plain sdp4bit} " == *" sdp4bit_1node "* ]] && TMO=${CONV_TMO:-200} launch c_sdp4bit_1node $ALL 1 29900 -- $C $QW $QG --ranks-per-node $NGPU
 fi
 if has buckets; then  # Table B sockets, both quantized: smaller buckets leave less communication exposed
+  launch b_sockets_plain 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING
+  launch b_sockets_both 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW $QG
   for b in ${BUCKETS:-20000000 10000000}; do
     launch b_sockets_both_bucket$b 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW $QG --ddp-bucket-size $b
   done
