@@ -71,6 +71,11 @@ class ParallelConfig:
     distributed_backend: str = _f("auto", "torch.distributed backend: auto = nccl on GPU, gloo on CPU.", choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: float = _f(10, "Timeout of collective operations, minutes: when a rank dies, the "
                                                   "others stop with an error within this time instead of hanging.")
+    high_priority_stream_groups: list = _f(
+        [], "Process groups whose NCCL collectives run on high-priority CUDA streams (Megatron's flag): any of "
+            "tp, dp, pp, mp, embedding (dp includes the two-level intra/inter-node DP groups). Communication "
+            "kernels then get SMs ahead of queued compute kernels, which helps overlap on slow links. NCCL only.",
+        nargs="*", choices=["tp", "dp", "pp", "mp", "embedding"])
     world_size: Optional[int] = _f(None, "With --dry-run: the number of ranks to plan for (default: the launched world).")
     use_distributed_optimizer: bool = _f(False, "ZeRO: shard fp32 master weights and optimizer states over DP ranks.")
     overlap_grad_reduce: bool = _f(False, "Reduce-scatter each gradient bucket as soon as its gradients are final "

@@ -3,7 +3,9 @@
 #   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
 #   build    the CUDA extensions (tableb builds them itself, in its timing lane)
 #   tests4   the 4-GPU NCCL tests (SDP4Bit as 2 nodes x 2, ZeRO, TP)
-#   nccl     the NCCL tests on every GPU (TP=2 eager and compiled against TP=1, ZeRO overlap, PP=2, SDP4Bit);
+#   hiprio   Table B sockets, 20 iterations: plain and both quantized (bucket HP_BUCKET), each without and with
+#            --high-priority-stream-groups dp
+#   nccl     the NCCL tests (-k NCCL_K, default all) on every GPU (TP=2 eager and compiled against TP=1, ZeRO overlap, PP=2, SDP4Bit);
 #            runs while the extensions build (a test that needs one waits for the build's lock)
 #   tableb   Table B: ZeRO DP=2 as 2 one-GPU nodes, 1.36B, micro-batch 4, global batch 16, overlap on:
 #            plain vs qWD vs TLq-HS vs both at three link settings (timing lane, GPUs 0,1; 12 steps) and
@@ -108,7 +110,7 @@ if has nccl && [ "$NGPU" -ge 2 ]; then  # the extensions build in the background
   has build && { build_ext & BUILD_PID=$!; }
   echo "== NCCL tests on $NGPU GPUs $(el)" >> $LOG
   timeout ${NCCL_TMO:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 150 \
-    tests/test_gpu.py tests/test_pipeline.py tests/test_sdp4bit_dist.py -k nccl > $X/nccl_tests.txt 2>&1
+    tests/test_gpu.py tests/test_pipeline.py tests/test_sdp4bit_dist.py -k "${NCCL_K:-nccl}" > $X/nccl_tests.txt 2>&1
   grep -E "PASSED|FAILED|passed|failed|skipped|^E " $X/nccl_tests.txt | cut -c1-300 | tail -24 >> $LOG
   wait ${BUILD_PID:-}
 elif has build; then build_ext; fi
@@ -240,6 +242,14 @@ if has buckets; then  # Table B sockets, both quantized: smaller buckets leave l
   for b in ${BUCKETS:-20000000 10000000}; do
     launch b_sockets_both_bucket$b 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $TIMING $QW $QG --ddp-bucket-size $b
   done
+fi
+if has hiprio; then  # do high-priority DP streams let the socket transfers overlap compute better?
+  S="--train-iters ${SOCK_ITERS:-20} --log-interval 4 --eval-interval 0 --eval-iters 0"
+  HP="--high-priority-stream-groups dp"; HB="--ddp-bucket-size ${HP_BUCKET:-10000000}"
+  launch h_sockets_plain 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S
+  launch h_sockets_plain_hp 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $HP
+  launch h_sockets_both 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $QW $QG $HB
+  launch h_sockets_both_hp 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $QW $QG $HB $HP
 fi
 if has loss200 && [ "$NGPU" -ge 4 ]; then
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="$STDLIB"

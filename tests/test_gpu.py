@@ -10,7 +10,7 @@ from megacoat.optim.optimizer import MixedPrecisionAdamW
 from megacoat.parallel.context import ParallelContext
 from megacoat.parallel.random import seed_everything
 from parallel_harness import VOCAB, small_model_config
-from test_tensor_parallel import _tp_vs_single
+from test_tensor_parallel import _tp_vs_single, tp2_compiled_bf16_vs_tp1_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -68,36 +68,10 @@ def test_nccl_tp2_equals_tp1(sp):
     run_distributed(_tp_vs_single, 2, 2, sp, {}, 2, "cuda", backend="nccl")
 
 
-def _tp2_compiled_bf16_vs_tp1_eager(rank, world, sp):
-    """The production path (bf16, compiled layers, gradient-accumulation fusion into bucket views) at TP=2
-    against TP=1 eager: every full gradient within bf16 round-off."""
-    from parallel_harness import batches, build, full_grads, trim_vocab
-    from megacoat.model.loss import masked_mean_loss
-
-    device = torch.device("cuda", rank)
-    m = small_model_config(hidden_size=512, num_attention_heads=8, seq_length=256, num_layers=2)
-    ctx = ParallelContext.build(2, 1, device)
-    grads = []
-    for model_ctx, compiled in ((ctx, True), (ParallelContext.single(device), False)):
-        model, opt = build(m, model_ctx, sp and model_ctx.tp_size > 1, dtype=torch.bfloat16, compile_layers=compiled)
-        b = {k: v.to(device) for k, v in batches(0, 1, 2, m.seq_length)[0].items()}
-        for _ in range(2):  # the second step runs the compiled graphs already built (and a fresh bucket)
-            opt.zero_grad()
-            opt.start_micro_batch(is_last=True)
-            masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"]).backward()
-            opt.grad_buffer.finalize()
-        opt._sync_sequence_parallel_grads()
-        grads.append(full_grads(model, model_ctx))
-    for name, want in grads[1].items():
-        got, want = trim_vocab(name, grads[0][name]).float(), trim_vocab(name, want).float()
-        rel = ((got - want).norm() / want.norm()).item()
-        assert rel < 3e-2, (name, rel)
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("sp", [False, True])
 def test_nccl_tp2_compiled_bf16_gradients_equal_tp1(sp):
-    run_distributed(_tp2_compiled_bf16_vs_tp1_eager, 2, sp, backend="nccl")
+    run_distributed(tp2_compiled_bf16_vs_tp1_eager, 2, sp, "cuda", backend="nccl")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -31,8 +31,8 @@ def test_two_level_groups():
         two_level_dp_groups([0, 1, 2], ranks_per_node=2)
 
 
-def _context_groups(rank, world):
-    ctx = ParallelContext.build(1, 1, torch.device("cpu"), ranks_per_node=2)
+def _context_groups(rank, world, high_priority=()):
+    ctx = ParallelContext.build(1, 1, torch.device("cpu"), ranks_per_node=2, high_priority=high_priority)
     assert ctx.dp_size == 4 and ctx.dp_intra_size == 2 and ctx.dp_inter_size == 2
     t = torch.tensor([float(rank)])
     torch.distributed.all_reduce(t, group=ctx.dp_intra_group)
@@ -42,8 +42,16 @@ def _context_groups(rank, world):
     assert t.item() == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
 
 
-def test_context_two_level_groups_emulated_nodes():
-    run_distributed(_context_groups, 4)
+@pytest.mark.parametrize("high_priority", [(), ("dp", "tp")])
+def test_context_two_level_groups_emulated_nodes(high_priority):
+    run_distributed(_context_groups, 4, high_priority)  # high-priority streams: an NCCL option, ignored on gloo
+
+
+def test_high_priority_stream_groups_flag():
+    assert parse_args([]).parallel.high_priority_stream_groups == []
+    assert parse_args(["--high-priority-stream-groups", "dp", "tp"]).parallel.high_priority_stream_groups == ["dp", "tp"]
+    with pytest.raises(SystemExit):
+        parse_args(["--high-priority-stream-groups", "dp_cp"])  # not a group of this framework
 
 
 def _ce_tp(rank, world, vocab):

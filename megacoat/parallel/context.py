@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,12 +119,14 @@ class ParallelContext:
 
     @classmethod
     def build(cls, tp: int, pp: int, device: torch.device, ranks_per_node: Optional[int] = None,
-              timeout_minutes: Optional[float] = None) -> "ParallelContext":
+              timeout_minutes: Optional[float] = None, high_priority: Sequence[str] = ()) -> "ParallelContext":
         """Create every group. Must be called on all ranks after init_process_group (or alone, world 1).
 
         `timeout_minutes` (--distributed-timeout-minutes) is given to every group: new_group does not
         inherit init_process_group's timeout (it falls back to torch's 30-minute default), so without
-        it a rank waiting on a stuck peer in a TP/DP/PP collective would hang for half an hour."""
+        it a rank waiting on a stuck peer in a TP/DP/PP collective would hang for half an hour.
+        `high_priority` (--high-priority-stream-groups): the kinds of group ("dp" covers its intra- and
+        inter-node subgroups) whose NCCL streams are created with high priority."""
         if not dist.is_initialized():
             if tp * pp != 1:
                 raise ValueError("tensor/pipeline parallel sizes > 1 need torch.distributed (launch with torchrun)")
@@ -134,29 +136,40 @@ class ParallelContext:
         rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
                   ranks_per_node=rpn, device=device)
-        kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+        base_kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+        fast_kw = dict(base_kw, **_high_priority_options()) if high_priority else base_kw
+        kw_of = lambda kind: fast_kw if kind in high_priority else base_kw  # noqa: E731
         # new_group must be called by every rank for every group, in the same order.
         for kind in ("tp", "dp", "pp", "mp"):
             for ranks in grid[kind]:
-                g = dist.new_group(ranks, **kw)
+                g = dist.new_group(ranks, **kw_of(kind))
                 if rank in ranks:
                     setattr(ctx, f"{kind}_group", g)
                     if kind in ("tp", "dp", "pp"):
                         setattr(ctx, f"{kind}_ranks", ranks)
                         setattr(ctx, f"{kind}_rank", ranks.index(rank))
         for ranks in grid["embedding"]:
-            g = dist.new_group(ranks, **kw)
+            g = dist.new_group(ranks, **kw_of("embedding"))
             if rank in ranks:
                 ctx.embedding_group = g
         for dp_ranks in grid["dp"]:
             intra, inter = two_level_dp_groups(dp_ranks, rpn)
             for kind, lists in (("intra", intra), ("inter", inter)):
                 for ranks in lists:
-                    g = dist.new_group(ranks, **kw)
+                    g = dist.new_group(ranks, **kw_of("dp"))
                     if rank in ranks:
                         setattr(ctx, f"dp_{kind}_group", g)
                         setattr(ctx, f"dp_{kind}_size", len(ranks))
         return ctx
+
+
+def _high_priority_options() -> dict:
+    """new_group's keyword for high-priority NCCL streams; none on other backends (gloo has no streams)."""
+    if dist.get_backend() != "nccl":
+        return {}
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return {"pg_options": opts}
 
 
 class LaunchError(RuntimeError):

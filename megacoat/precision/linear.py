@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
-from ..parallel.mappings import group_size
+from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
 from .activations import swiglu_backward_with_amax, swiglu_forward_saving_fp8
 from .recipe import Fp8Recipe
@@ -209,19 +209,7 @@ class _Opts:
 
 def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
     """All-gather FP8 codes along dim 0 (as uint8: gloo and older NCCL reject fp8 dtypes)."""
-    n = group_size(group)
-    u = q.contiguous().view(torch.uint8)
-    out = torch.empty((n * u.shape[0], *u.shape[1:]), dtype=torch.uint8, device=u.device)
-    dist.all_gather_into_tensor(out, u, group=group)
-    return out.view(q.dtype)
-
-
-def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
-    n = group_size(group)
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
+    return all_gather_first(q.contiguous().view(torch.uint8), group).view(q.dtype)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -233,8 +221,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         amax = fp8.amax(x2) if x_amax is None else x_amax
         if opts.sp_group is not None:
-            amax = amax.float().clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=opts.sp_group)  # one scale for the gathered x
+            # One scale for the gathered x (a copy: x_amax may be the producer's tensor).
+            amax = all_reduce(amax.float().clone(), opts.sp_group, dist.ReduceOp.MAX)
             xq_local, _, sx = fp8.cast_tensorwise(x2, amax, opts.fwd_fmt, False)
             xq = _gather_fp8_rows(xq_local, opts.sp_group)
             xqt = xq.t().contiguous() if opts.save_fp8 else None
@@ -284,7 +272,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
         dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm)
         if opts.sp_group is not None:
-            dx = _reduce_scatter_rows(dx, opts.sp_group)
+            dx = reduce_scatter_first(dx, opts.sp_group)
         dx = dx.view(ctx.in_shape)
         if opts.save_fp8:
             xqt = x_saved

@@ -139,7 +139,8 @@ class Trainer:
                                        cfg.train.use_cpu)
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
-                                         cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes)
+                                         cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes,
+                                         cfg.parallel.high_priority_stream_groups)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
                                         num_microbatches(cfg, self.ctx.dp_size))
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
