@@ -10,7 +10,7 @@ from megacoat.optim.optimizer import MixedPrecisionAdamW
 from megacoat.parallel.context import ParallelContext
 from megacoat.parallel.random import seed_everything
 from parallel_harness import VOCAB, small_model_config
-from test_tensor_parallel import _tp_vs_single, tp2_compiled_bf16_vs_tp1_eager
+from test_tensor_parallel import _tp_vs_single, compiled_tp2_sp_wgrad_phases, tp2_compiled_bf16_vs_tp1_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -72,6 +72,12 @@ def test_nccl_tp2_equals_tp1(sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_nccl_tp2_compiled_bf16_gradients_equal_tp1(sp):
     run_distributed(tp2_compiled_bf16_vs_tp1_eager, 2, sp, "cuda", backend="nccl")
+
+
+def test_compiled_tp2_sp_weight_gradients_run_in_backward_on_gpu():
+    """One GPU, torch's fake process group as TP=2: the compiled graphs' weight-gradient GEMMs stay in backward."""
+    calls = compiled_tp2_sp_wgrad_phases("cuda")
+    assert calls == {"forward": 0, "backward": 2 * 2 * 4}, calls
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -76,6 +76,63 @@ def test_tp2_compiled_bf16_gradients_equal_tp1(sp):
     run_distributed(tp2_compiled_bf16_vs_tp1_eager, 2, sp, "cpu", 64, 32)
 
 
+def _compiled_tp2_sp_wgrad_phases(device_type, queue):
+    """One process posing as TP rank 0 of 2 (torch's fake backend: collectives do nothing, so values are
+    meaningless, but dynamo/AOTAutograd/inductor build the same graphs): the compiled TP=2 + SP layers run
+    forward and backward, counting the weight-gradient GEMMs (gradient-accumulation fusion) per phase."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import megacoat.kernels.wgrad as wgrad
+    from megacoat.model.loss import masked_mean_loss
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        device = torch.device(device_type)
+        m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2)
+        model, opt = build(m, ParallelContext.build(2, 1, device), True, dtype=torch.bfloat16, compile_layers=True)
+        b = {k: v.to(device) for k, v in batches(0, 1, 2, m.seq_length)[0].items()}
+        calls, phase = {"forward": 0, "backward": 0}, ["forward"]
+        impl = wgrad._wgrad_accumulate_impl
+
+        def counting(*args):
+            calls[phase[0]] += 1
+            return impl(*args)
+
+        wgrad._wgrad_accumulate_impl = counting
+        for _ in range(2):  # the second step runs the graphs built by the first
+            opt.zero_grad()
+            opt.start_micro_batch(is_last=True)
+            phase[0] = "forward"
+            loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
+            phase[0] = "backward"
+            loss.backward()
+            opt.grad_buffer.finalize()
+        queue.put(calls)
+    except BaseException as e:  # report to the parent
+        queue.put(repr(e))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def compiled_tp2_sp_wgrad_phases(device_type: str) -> dict:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=_compiled_tp2_sp_wgrad_phases, args=(device_type, queue))
+    proc.start()
+    proc.join(timeout=600)
+    return queue.get() if not queue.empty() else f"no result (exit code {proc.exitcode})"
+
+
+def test_compiled_tp2_sp_weight_gradients_run_in_backward():
+    """The symptom of the lost reduce-scatter on the H200: weight-gradient GEMMs of compiled TP=2 + SP layers
+    ran in the forward (their output gradient no longer depended on the backward's input)."""
+    calls = compiled_tp2_sp_wgrad_phases("cpu")
+    assert calls == {"forward": 0, "backward": 2 * 2 * 4}, calls  # 2 steps x 2 layers x 4 linears
+
+
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True)])
 def test_tp2_equals_tp1(tp, sp):
     run_distributed(_tp_vs_single, 2, tp, sp, {}, 3)
