@@ -45,6 +45,10 @@ ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "t
              "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
 # Tile sweep (elements per program, warps): the launchers read these module constants per call.
 SWEEP = [(4096, 4), (4096, 8), (8192, 4), (16384, 8)]
+# The CUDA kernels' grid cap (their max_blocks argument, read per call; 0 = one unit of work per warp, the
+# default) and the caps the grid sweep tries, in blocks per SM.
+CUDA_MAX_BLOCKS = 0
+GRID_SWEEP_PER_SM = [2, 4, 8, 16, 32]
 
 
 def _bench(fn):
@@ -79,13 +83,13 @@ def _safe(results, name, fn):
 
 def _cuda_encode(K, *args):
     """The CUDA C++ encode (csrc/sdp4bit_encode.cu); an error if it did not run (not built / not covered)."""
-    if not K.encode_partitioned_cuda(*args):
+    if not K.encode_partitioned_cuda(*args, max_blocks=CUDA_MAX_BLOCKS):
         raise RuntimeError("the CUDA encode did not run (extension not built or disabled, or case not covered)")
 
 
 def _cuda_requant(K, *args):
     """The CUDA C++ reduce-requantize (csrc/sdp4bit_encode.cu); an error if it did not run."""
-    if not K.reduce_requantize_cuda(*args):
+    if not K.reduce_requantize_cuda(*args, max_blocks=CUDA_MAX_BLOCKS):
         raise RuntimeError("the CUDA reduce-requantize did not run (extension not built or disabled, or case not "
                            "covered)")
 
@@ -202,6 +206,28 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
                 print(f"sweep {name:40s} {cells}", flush=True)
         results["tile_sweep"] = table
     _safe(results, "tile_sweep", sweep)
+
+    def grid_sweep():
+        """The CUDA kernels with a capped grid (warps loop over units) against the default uncapped one."""
+        global CUDA_MAX_BLOCKS
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        table = {}
+        try:
+            for per_sm in GRID_SWEEP_PER_SM:
+                CUDA_MAX_BLOCKS = per_sm * sms
+                for name, (run, nbytes, _, _) in cases.items():
+                    if name.endswith("_cuda"):
+                        ms = _bench(run)
+                        table.setdefault(name, {})[f"{per_sm}/SM"] = {
+                            "ms": round(ms, 4), "frac_of_4300": round(nbytes / ms / 1e6 / HBM_GBS, 3)}
+        finally:
+            CUDA_MAX_BLOCKS = 0
+        for name, row in table.items():
+            base = results.get(name, {}).get("ms")
+            cells = "  ".join(f"{k}: {v['ms']}" for k, v in row.items())
+            print(f"grid {name:40s} uncapped: {base}  {cells}", flush=True)
+        results["cuda_grid_sweep"] = table
+    _safe(results, "cuda_grid_sweep", grid_sweep)
 
     def references():
         m = min(32 * 2 ** 20, n)
