@@ -246,10 +246,11 @@ fi
 if has hiprio; then  # do high-priority DP streams let the socket transfers overlap compute better?
   S="--train-iters ${SOCK_ITERS:-20} --log-interval 4 --eval-interval 0 --eval-iters 0"
   HP="--high-priority-stream-groups dp"; HB="--ddp-bucket-size ${HP_BUCKET:-10000000}"
-  launch h_sockets_plain 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S
-  launch h_sockets_plain_hp 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $HP
+  # most informative first (a budget cut drops the last): does it help the quantized run, then the ratio
   launch h_sockets_both 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $QW $QG $HB
   launch h_sockets_both_hp 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $QW $QG $HB $HP
+  launch h_sockets_plain_hp 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S $HP
+  launch h_sockets_plain 0,1 1 29500 "${SOCK[@]}" -- $M1 $STDLIB $ZERO --ranks-per-node 1 $S
 fi
 if has loss200 && [ "$NGPU" -ge 4 ]; then
   [ -f $SITE"_text_document.bin" ] && CD="--data-path ${SITE}_text_document" || CD="$STDLIB"
