@@ -26,10 +26,10 @@ def small_model_config(**kw) -> ModelConfig:
 
 
 def build(m: ModelConfig, ctx: ParallelContext, sp: bool, seed: int = 11, lr: float = 1e-2, zero=None,
-          dtype: torch.dtype = torch.float32, compile_layers: bool = False):
+          dtype: torch.dtype = torch.float32, compile_layers: bool = False, fp8=None):
     """Model + optimizer; `zero` (a ZeroOptions) selects the distributed optimizer."""
     rng = seed_everything(seed, ctx.tp_rank, ctx.device)
-    lc = LayerContext(ctx.tp_group, sp, rng, dtype, ctx.device, seed)
+    lc = LayerContext(ctx.tp_group, sp, rng, dtype, ctx.device, seed, fp8=fp8)
     model = GPTModel(m, lc, VOCAB, padded_vocab_size(VOCAB, m.make_vocab_size_divisible_by, ctx.tp_size),
                      compile_layers=compile_layers)
     # adam_eps large enough that near-zero gradients (pure round-off) are not blown up to full
