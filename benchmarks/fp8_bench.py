@@ -6,7 +6,8 @@ one transformer layer per recipe.
     python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 
 Parts (each runs on its own: a failing part is recorded with its error and the others go on):
-- kernels: every FP8 kernel on a 16384 x 4096 bf16 tensor (time by triton.testing.do_bench, bytes
+- kernels: every FP8 kernel on a 16384 x 4096 bf16 tensor (GPU time: triton.testing.do_bench of a CUDA
+  graph replay, the eager-launch time beside it; bytes
   moved, GB/s and % of 4300 GB/s), against COAT's own Triton kernels measured on this GPU (DESIGN
   5.2, issue 10) and a plain copy; the eager per-tensor quantize + transpose as the unfused anchor.
   With sweep: a few tile configurations per kernel, the best reported (to pick the defaults).
@@ -66,7 +67,34 @@ TILE_SWEEP = {"quantize_1x16": _Q_TILES, "dequantize_1x16": _Q_TILES, "act_fwd":
               "swiglu_fwd": _EW_TILES, "swiglu_bwd": _EW_TILES}
 
 
-def bench_us(fn) -> float:
+# How the last bench_us call timed (read by _row): the timer and, with graph replay, the eager-launch time.
+LAST_TIMING: dict = {}
+
+
+def _graph_of(fn):
+    """fn captured in a CUDA graph (one replay = one call of fn, no Python), or None if it cannot be."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up on the capture stream (allocator pools, lazy init)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph
+    except Exception:  # a host sync or an uncapturable op inside fn: time its eager launches instead
+        torch.cuda.synchronize()
+        return None
+
+
+def bench_us(fn, graph: bool = True) -> float:
+    """GPU time of one call of fn, in us: triton's do_bench (L2 flushed before every repetition) of a CUDA
+    graph replay of fn (`graph=False`: of fn's eager launches, what an eager step sees). Timing fn's eager launches instead lets host overhead leak in: the GPU reaches the
+    start event after the L2 flush (~60 us) and then waits for the launches, so a wrapper with more than
+    ~60 us of Python shows its host time (RMSNorm forward: 94 us in one call, 161 us in the next)."""
+    LAST_TIMING.clear()
     if SMOKE:
         fn()
         t0 = time.perf_counter()
@@ -75,7 +103,16 @@ def bench_us(fn) -> float:
     from triton.testing import do_bench
     fn()  # compile / autotune outside the timed region (do_bench sizes its loop from a first call)
     torch.cuda.synchronize()
-    return 1000.0 * do_bench(fn, warmup=25, rep=100)
+    eager_us = 1000.0 * do_bench(fn, warmup=25, rep=100)
+    if not graph:
+        LAST_TIMING.update(timer="eager launches")
+        return eager_us
+    graph = _graph_of(fn)
+    if graph is None:
+        LAST_TIMING.update(timer="eager launches (capture failed)")
+        return eager_us
+    LAST_TIMING.update(timer="CUDA graph replay", eager_launch_us=round(eager_us, 2))
+    return 1000.0 * do_bench(graph.replay, warmup=25, rep=100)
 
 
 def _sync():
@@ -90,11 +127,12 @@ def _mem():
 def _row(name, us, nbytes, anchor=None):
     gbs = nbytes / (us * 1e-6) / 1e9
     r = dict(kernel=name, time_us=round(us, 2), bytes=int(nbytes), gb_s=round(gbs, 1),
-             pct_of_hbm=round(100 * gbs / HBM_GBS, 1))
+             pct_of_hbm=round(100 * gbs / HBM_GBS, 1), **LAST_TIMING)
     if anchor is not None:
         r["coat_us"] = anchor
         r["ours_over_coat"] = round(us / anchor, 3)
-    print(f"  {name:34s} {us:9.1f} us {gbs:8.0f} GB/s {r['pct_of_hbm']:5.1f}%"
+    eager = f" (eager launches {LAST_TIMING['eager_launch_us']:.1f})" if "eager_launch_us" in LAST_TIMING else ""
+    print(f"  {name:34s} {us:9.1f} us {gbs:8.0f} GB/s {r['pct_of_hbm']:5.1f}%{eager}"
           + (f"  COAT {anchor:.0f} us -> x{us / anchor:.2f}" if anchor else ""), flush=True)
     return r
 
@@ -391,9 +429,9 @@ def part_linear(args):
                 fp8_gemm(qg, sg, cache.wqt, cache.scale, torch.bfloat16, hw=hw)
                 fp8_gemm(qgt, sg, qxt, sx, torch.float32, hw=hw)
 
-            per = dict(bf16_ms=bench_us(bf16) / 1000, fp8_ms=bench_us(fp8_path) / 1000,
-                       fp8_given_amax_ms=bench_us(lambda: fp8_path(True)) / 1000,
-                       fp8_gemms_only_ms=bench_us(gemms) / 1000)
+            per = dict(bf16_ms=bench_us(bf16, graph=False) / 1000, fp8_ms=bench_us(fp8_path, graph=False) / 1000,
+                       fp8_given_amax_ms=bench_us(lambda: fp8_path(True), graph=False) / 1000,
+                       fp8_gemms_only_ms=bench_us(gemms, graph=False) / 1000)
             res["per_linear"][lname] = {k: round(v, 4) for k, v in per.items()}
             for k2, v in per.items():
                 res[k2] += v
@@ -484,7 +522,7 @@ def part_layer(args, deadline):
                 if DEV == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 base = _mem()
-                us = bench_us(step)
+                us = bench_us(step, graph=False)
                 peak = (torch.cuda.max_memory_allocated() if DEV == "cuda" else 0) - base
                 unit = seq * mbs * hidden * 2
                 out[key] = dict(time_ms=round(us / 1000, 3), peak_extra_gib=round(peak / 2**30, 3),
