@@ -207,6 +207,10 @@ class _Opts:
     activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
 
 
+# torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).
+_FP8_GATHER_COMPILES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
     """All-gather FP8 codes along dim 0 (as uint8: gloo and older NCCL reject fp8 dtypes)."""
     return all_gather_first(q.contiguous().view(torch.uint8), group).view(q.dtype)
@@ -326,8 +330,13 @@ class Fp8LinearImpl:
         return Fp8WeightCache(self.recipe.fwd_format, persistent=self.recipe.cache_weights)
 
     def gathers_fp8(self, sequence_parallel: bool) -> bool:
-        """Under SP, coat gathers the FP8 codes itself; tensorwise gathers bf16 (and saves it)."""
-        return sequence_parallel and self.recipe.fp8_activations
+        """Under SP, coat gathers the FP8 codes itself; tensorwise gathers bf16 (and saves it). Inside
+        torch.compile on torch < 2.13 coat gathers bf16 too, through the SP region: torch 2.11's dynamo
+        broke the graph at a collective inside this autograd function and then failed an internal assertion
+        tracing the next FP8 linear (H200, TP=2 + SP, `test_compiled_tp2_sp_weight_gradients_run_in_backward_on_gpu`)."""
+        if not (sequence_parallel and self.recipe.fp8_activations):
+            return False
+        return not torch.compiler.is_compiling() or _FP8_GATHER_COMPILES
 
     def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False, activation=None):
         return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
