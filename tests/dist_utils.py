@@ -23,7 +23,11 @@ def _worker(rank, world, port, fn, args, errq, backend):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        if backend == "fake":  # rank 0 alone, posing in a world of `world`: collectives do nothing
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
         fn(rank, world, *args)
     except BaseException:  # report any failure to the parent with its traceback
         errq.put((rank, traceback.format_exc()))
@@ -34,11 +38,14 @@ def _worker(rank, world, port, fn, args, errq, backend):
 
 
 def run_distributed(fn, world: int, *args, backend: str = "gloo") -> None:
-    """Call fn(rank, world, *args) in `world` processes; re-raise the first failure with its traceback."""
+    """Call fn(rank, world, *args) in `world` processes; re-raise the first failure with its traceback.
+    backend="fake": one process, rank 0 of a `world`-rank group whose collectives do nothing (torch's fake
+    process group: the graphs compiled code builds for that world, without its peers)."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq, backend)) for r in range(world)]
+    ranks = range(1 if backend == "fake" else world)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq, backend)) for r in ranks]
     for p in procs:
         p.start()
     for p in procs:

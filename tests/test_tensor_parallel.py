@@ -76,58 +76,38 @@ def test_tp2_compiled_bf16_gradients_equal_tp1(sp):
     run_distributed(tp2_compiled_bf16_vs_tp1_eager, 2, sp, "cpu", 64, 32)
 
 
-def _compiled_tp2_sp_wgrad_phases(device_type, queue, coat=False):
-    """One process posing as TP rank 0 of 2 (torch's fake backend: collectives do nothing, so values are
+def compiled_tp2_sp_wgrad_phases(rank, world, device_type, coat):
+    """Rank 0 of a fake TP=2 group (run_distributed's fake backend: collectives do nothing, so values are
     meaningless, but dynamo/AOTAutograd/inductor build the same graphs): the compiled TP=2 + SP layers run
-    forward and backward, counting the weight-gradient GEMMs (gradient-accumulation fusion) per phase."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    forward and backward, and every weight-gradient GEMM (gradient-accumulation fusion) must run in backward."""
     import megacoat.kernels.wgrad as wgrad
     import megacoat.precision.linear as fp8_linear
     from megacoat.model.loss import masked_mean_loss
     from megacoat.precision.recipe import Fp8Recipe
-    try:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        device = torch.device(device_type)
-        m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2)
-        model, opt = build(m, ParallelContext.build(2, 1, device), True, dtype=torch.bfloat16, compile_layers=True,
-                           fp8=Fp8Recipe() if coat else None)
-        b = {k: v.to(device) for k, v in batches(0, 1, 2, m.seq_length)[0].items()}
-        calls, phase = {"forward": 0, "backward": 0}, ["forward"]
-        module, name = (fp8_linear, "_fp8_wgrad_impl") if coat else (wgrad, "_wgrad_accumulate_impl")
-        impl = getattr(module, name)
 
-        def counting(*args):
-            calls[phase[0]] += 1
-            return impl(*args)
+    device = torch.device(device_type)
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2)
+    model, opt = build(m, ParallelContext.build(world, 1, device), True, dtype=torch.bfloat16, compile_layers=True,
+                       fp8=Fp8Recipe() if coat else None)
+    b = {k: v.to(device) for k, v in batches(0, 1, 2, m.seq_length)[0].items()}
+    calls, phase = {"forward": 0, "backward": 0}, ["forward"]
+    module, name = (fp8_linear, "_fp8_wgrad_impl") if coat else (wgrad, "_wgrad_accumulate_impl")
+    impl = getattr(module, name)
 
-        setattr(module, name, counting)
-        for _ in range(2):  # the second step runs the graphs built by the first
-            opt.zero_grad()
-            opt.start_micro_batch(is_last=True)
-            phase[0] = "forward"
-            loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
-            phase[0] = "backward"
-            loss.backward()
-            opt.grad_buffer.finalize()
-        queue.put(calls)
-    except BaseException as e:  # report to the parent
-        queue.put(repr(e))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def counting(*args):
+        calls[phase[0]] += 1
+        return impl(*args)
 
-
-def compiled_tp2_sp_wgrad_phases(device_type: str, coat: bool = False) -> dict:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    proc = ctx.Process(target=_compiled_tp2_sp_wgrad_phases, args=(device_type, queue, coat))
-    proc.start()
-    proc.join(timeout=600)
-    return queue.get() if not queue.empty() else f"no result (exit code {proc.exitcode})"
+    setattr(module, name, counting)
+    for _ in range(2):  # the second step runs the graphs built by the first
+        opt.zero_grad()
+        opt.start_micro_batch(is_last=True)
+        phase[0] = "forward"
+        loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
+        phase[0] = "backward"
+        loss.backward()
+        opt.grad_buffer.finalize()
+    assert calls == {"forward": 0, "backward": 2 * 2 * 4}, calls  # 2 steps x 2 layers x 4 linears
 
 
 @pytest.mark.parametrize("coat", [False, True])
@@ -135,8 +115,7 @@ def test_compiled_tp2_sp_weight_gradients_run_in_backward(coat):
     """The symptom of the lost reduce-scatter on the H200: weight-gradient GEMMs of compiled TP=2 + SP layers
     ran in the forward (their output gradient no longer depended on the backward's input). coat: the FP8
     linear's own SP gather of FP8 codes and its backward reduce-scatter."""
-    calls = compiled_tp2_sp_wgrad_phases("cpu", coat)
-    assert calls == {"forward": 0, "backward": 2 * 2 * 4}, calls  # 2 steps x 2 layers x 4 linears
+    run_distributed(compiled_tp2_sp_wgrad_phases, 2, "cpu", coat, backend="fake")
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True)])

@@ -208,7 +208,7 @@ class _Opts:
 
 
 # torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).
-_FP8_GATHER_COMPILES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_FP8_GATHER_COMPILES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 def _gather_fp8_rows(q: torch.Tensor, group) -> torch.Tensor:
