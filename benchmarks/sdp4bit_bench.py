@@ -87,9 +87,9 @@ def _cuda_encode(K, *args):
         raise RuntimeError("the CUDA encode did not run (extension not built or disabled, or case not covered)")
 
 
-def _cuda_requant(K, *args, prefetch=False):
+def _cuda_requant(K, *args):
     """The CUDA C++ reduce-requantize (csrc/sdp4bit_encode.cu); an error if it did not run."""
-    if not K.reduce_requantize_cuda(*args, max_blocks=CUDA_MAX_BLOCKS, prefetch=prefetch):
+    if not K.reduce_requantize_cuda(*args, max_blocks=CUDA_MAX_BLOCKS):
         raise RuntimeError("the CUDA reduce-requantize did not run (extension not built or disabled, or case not "
                            "covered)")
 
@@ -150,10 +150,6 @@ def kernel_cases(n, dev, key):
             lambda: _cuda_requant(K, m1, m2, N * S, 8, 128, 4, 128, N, key), m1.numel() + m2.numel(),
             "CUDA C++: 2 int8 messages of n/2 -> fp32 sum -> int4 (G 128), 2 destinations",
             (m2, lambda o: C.reduce_requantize_reference(m1, o, N * S, 8, 128, 4, 128, N, key))),
-        "tlq_reduce_requantize_int8_to_int4_cuda_prefetch": (
-            lambda: _cuda_requant(K, m1, m2, N * S, 8, 128, 4, 128, N, key, prefetch=True), m1.numel() + m2.numel(),
-            "CUDA C++, persistent grid prefetching the next unit into L2: the same reduce-requantize",
-            (m2, lambda o: C.reduce_requantize_reference(m1, o, N * S, 8, 128, 4, 128, N, key))),
         "tlq_reduce_decode_inverse_hadamard": (
             lambda: K.reduce_decode(m2, out, S, 4, 128, True, scale), m2.numel() + 4 * S,
             "2 int4 messages of n/4 -> fp32 sum -> inverse Hadamard -> fp32 shard",
@@ -193,7 +189,7 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
                     break
                 K.TILE, K.WARPS = tile, warps
                 for name, (run, nbytes, _, _) in cases.items():
-                    if "_cuda" in name:  # TILE / WARPS are the Triton kernels' parameters
+                    if name.endswith("_cuda"):  # TILE / WARPS are the Triton kernels' parameters
                         continue
                     try:
                         run()
@@ -220,7 +216,7 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
             for per_sm in GRID_SWEEP_PER_SM:
                 CUDA_MAX_BLOCKS = per_sm * sms
                 for name, (run, nbytes, _, _) in cases.items():
-                    if "_cuda" in name:
+                    if name.endswith("_cuda"):
                         ms = _bench(run)
                         table.setdefault(name, {})[f"{per_sm}/SM"] = {
                             "ms": round(ms, 4), "frac_of_4300": round(nbytes / ms / 1e6 / HBM_GBS, 3)}
@@ -286,10 +282,8 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
         a = torch.empty(2, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
         b = torch.empty_like(a)
         K.reduce_requantize_triton(m1, a, 2 * S, 8, 128, 4, 128, 2, key)
-        for pf in (False, True):
-            b.fill_(0)
-            ran = K.reduce_requantize_cuda(m1, b, 2 * S, 8, 128, 4, 128, 2, key, prefetch=pf)
-            exact[f"cuda_eq_triton_reduce_requantize{'_prefetch' if pf else ''}"] = ran and bool(torch.equal(a, b))
+        ran = K.reduce_requantize_cuda(m1, b, 2 * S, 8, 128, 4, 128, 2, key)
+        exact["cuda_eq_triton_reduce_requantize"] = ran and bool(torch.equal(a, b))
         results["bit_exact"] = {"elements": exact_n, **exact}
         print(f"kernel == reference ({exact_n} elements):", exact, flush=True)
     _safe(results, "exactness", exactness)

@@ -36,8 +36,6 @@
 
 #include <algorithm>
 
-#include "l2_prefetch.cuh"
-
 namespace {
 
 constexpr int kGroup = 128;
@@ -120,6 +118,16 @@ __device__ __forceinline__ uint32_t float2_to_fp8x2(float x, float y) {
 // The lane `d` away (xor): with d = LANES / 2 the partner that holds the other moment.
 template <int D>
 __device__ __forceinline__ float shfl(float x) { return __shfl_xor_sync(0xffffffffu, x, D); }
+
+// Ask L2 for [p, p + bytes) (sm_90 bulk prefetch, a hint: nothing waits for it). Rounded out to
+// 16 bytes as the instruction needs; the rounding stays inside the same 16-byte block, so inside
+// the allocation's pages.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if (bytes <= 0) return;
+  const uint64_t a = reinterpret_cast<uintptr_t>(p) & ~uint64_t(15);
+  const uint64_t e = (reinterpret_cast<uintptr_t>(p) + (uint64_t)bytes + 15) & ~uint64_t(15);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((uint32_t)(e - a)) : "memory");
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -24,10 +24,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
-
-#include "l2_prefetch.cuh"
-
 namespace {
 
 constexpr uint32_t kC1 = 0x045D9F3Bu, kC2 = 0x119DE1F3u;  // hash constants (kernels/sdp4bit.py)
@@ -385,26 +381,9 @@ __device__ __forceinline__ void rq_dequant(const uint32_t (&w)[BITS], float scal
   }
 }
 
-// Ask L2 for unit u's input of destination d, spread over the lanes: lane s (< 16) takes source s's codes
-// (and s + 16, ...), lane 16 + s its scales; a handful of instructions per unit for the whole warp.
-template <int BITS>
-__device__ __forceinline__ void rq_prefetch_unit(const RqParams& P, uint32_t d, uint32_t u, int lane) {
-  const int64_t pos0 = (int64_t)u * kRqUnit;
-  if (u >= P.units || pos0 >= P.m) return;
-  const int64_t count = P.m - pos0 < kRqUnit ? P.m - pos0 : kRqUnit;
-  const int64_t e0 = (int64_t)d * P.m + pos0;
-  const bool codes = lane < 16;
-  const int64_t off = codes ? e0 * BITS / 8 : P.in_scales + (e0 >> P.gin_shift) * 4;
-  const int64_t bytes = codes ? count * BITS / 8
-                              : (((e0 + count - 1) >> P.gin_shift) - (e0 >> P.gin_shift) + 1) * 4;
-  for (int s = lane & 15; s < P.nsrc; s += 16) prefetch_l2(P.in + (int64_t)s * P.msg_in + off, bytes);
-}
-
 // NSRC > 0: that many sources, all loads issued first; 0: P.nsrc sources in a loop. VEC: 16-byte code
-// loads (a template flag: predicated-off loads would still take issue slots). PF: a persistent grid whose
-// warps, before loading a unit, ask L2 for their next one (its DRAM latency overlaps this unit's
-// arithmetic and store; the uncapped grid leaves that overlap to the block scheduler).
-template <int BITS, int G, int NSRC, bool VEC, bool PF>
+// loads (a template flag: predicated-off loads would still take issue slots).
+template <int BITS, int G, int NSRC, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) {
   constexpr int LPG = G / kRqLane;  // lanes per group
   constexpr int GPU = kRqUnit / G;  // groups per unit
@@ -413,7 +392,6 @@ __global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) 
   const uint32_t d = blockIdx.y;
   uint8_t* msg_out = P.out + (int64_t)d * P.msg_out;
   for (uint32_t u = blockIdx.x * kWarps + threadIdx.x / 32; u < P.units; u += gridDim.x * kWarps) {
-    if (PF) rq_prefetch_unit<BITS>(P, d, u + gridDim.x * kWarps, lane);
     uint32_t j = u * GPU + lane / LPG;  // group within destination d
     const bool active = j < P.groups_per_dest;
     if (!active) j = P.groups_per_dest - 1;  // computes the last group again, stores nothing
@@ -506,53 +484,23 @@ __global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) 
   }
 }
 
-// The prefetching variant runs a persistent grid: as many blocks as fit on the GPU at once, split over
-// the destinations (never more than the work), unless max_blocks caps it.
-template <typename K>
-dim3 rq_grid(K kernel, const RqParams& P, uint32_t ndest, int64_t max_blocks, bool persistent) {
-  int64_t blocks = (P.units + kWarps - 1) / kWarps;
-  if (persistent && max_blocks <= 0) {
-    int per_sm = 0, dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0));
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    const int64_t fit = std::max<int64_t>((int64_t)std::max(per_sm, 1) * sms / ndest, 1);
-    blocks = std::min(blocks, fit);
-  }
-  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
-  return dim3((unsigned)blocks, ndest);
-}
-
-template <int BITS, int G, int NSRC, bool VEC, bool PF>
-void rq_run(const RqParams& P, uint32_t ndest, int64_t max_blocks, cudaStream_t stream) {
-  auto kernel = requant_kernel<BITS, G, NSRC, VEC, PF>;
-  kernel<<<rq_grid(kernel, P, ndest, max_blocks, PF), kWarps * 32, 0, stream>>>(P);
-}
-
-template <int BITS, int G, bool PF>
-void rq_launch_g(const RqParams& P, uint32_t ndest, int64_t max_blocks, cudaStream_t stream) {
-  // unrolled variants for the common source counts with aligned messages; a source loop otherwise
-  if (P.vec_load && P.nsrc == 1) rq_run<BITS, G, 1, true, PF>(P, ndest, max_blocks, stream);
-  else if (P.vec_load && P.nsrc == 2) rq_run<BITS, G, 2, true, PF>(P, ndest, max_blocks, stream);
-  else if (P.vec_load) rq_run<BITS, G, 0, true, PF>(P, ndest, max_blocks, stream);
-  else rq_run<BITS, G, 0, false, PF>(P, ndest, max_blocks, stream);
-}
-
 template <int BITS, int G>
-void rq_launch_pf(const RqParams& P, uint32_t ndest, int64_t max_blocks, bool prefetch, cudaStream_t stream) {
-  if (prefetch) rq_launch_g<BITS, G, true>(P, ndest, max_blocks, stream);
-  else rq_launch_g<BITS, G, false>(P, ndest, max_blocks, stream);
+void rq_launch_g(const RqParams& P, dim3 grid, cudaStream_t stream) {
+  // unrolled variants for the common source counts with aligned messages; a source loop otherwise
+  if (P.vec_load && P.nsrc == 1) requant_kernel<BITS, G, 1, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else if (P.vec_load && P.nsrc == 2) requant_kernel<BITS, G, 2, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else if (P.vec_load) requant_kernel<BITS, G, 0, true><<<grid, kWarps * 32, 0, stream>>>(P);
+  else requant_kernel<BITS, G, 0, false><<<grid, kWarps * 32, 0, stream>>>(P);
 }
 
 template <int BITS>
-bool rq_launch(const RqParams& P, int64_t group, uint32_t ndest, int64_t max_blocks, bool prefetch,
-               cudaStream_t stream) {
+bool rq_launch(const RqParams& P, int64_t group, dim3 grid, cudaStream_t stream) {
   switch (group) {
-    case 32: rq_launch_pf<BITS, 32>(P, ndest, max_blocks, prefetch, stream); return true;
-    case 64: rq_launch_pf<BITS, 64>(P, ndest, max_blocks, prefetch, stream); return true;
-    case 128: rq_launch_pf<BITS, 128>(P, ndest, max_blocks, prefetch, stream); return true;
-    case 256: rq_launch_pf<BITS, 256>(P, ndest, max_blocks, prefetch, stream); return true;
-    case 512: rq_launch_pf<BITS, 512>(P, ndest, max_blocks, prefetch, stream); return true;
+    case 32: rq_launch_g<BITS, 32>(P, grid, stream); return true;
+    case 64: rq_launch_g<BITS, 64>(P, grid, stream); return true;
+    case 128: rq_launch_g<BITS, 128>(P, grid, stream); return true;
+    case 256: rq_launch_g<BITS, 256>(P, grid, stream); return true;
+    case 512: rq_launch_g<BITS, 512>(P, grid, stream); return true;
     default: return false;
   }
 }
@@ -562,11 +510,10 @@ bool rq_launch(const RqParams& P, int64_t group, uint32_t ndest, int64_t max_blo
 // Returns false (nothing launched) for what this kernel does not cover: bits_out != 4, bits_in other
 // than 4 / 8, output groups other than 32..512 or input groups other than powers of two >= 32, more
 // than 65535 destinations, messages not 4-byte aligned; the caller then runs the Triton kernel.
-// max_blocks > 0 caps the grid's x dimension (the warps then loop). prefetch != 0: the persistent,
-// L2-prefetching variant (same bytes).
+// max_blocks > 0 caps the grid's x dimension (the warps then loop).
 bool reduce_requantize(torch::Tensor msgs, torch::Tensor out, int64_t n, int64_t bits_in, int64_t group_in,
                        int64_t bits_out, int64_t group_out, int64_t ndest, int64_t k1, int64_t k2,
-                       int64_t max_blocks, int64_t prefetch) {
+                       int64_t max_blocks) {
   if (bits_out != 4 || (bits_in != 4 && bits_in != 8)) return false;
   if (group_out < 32 || group_out > 512 || (group_out & (group_out - 1))) return false;
   if (group_in < 32 || (group_in & (group_in - 1))) return false;
@@ -607,11 +554,12 @@ bool reduce_requantize(torch::Tensor msgs, torch::Tensor out, int64_t n, int64_t
   P.vec_load = aligned(msgs.data_ptr(), 16) && msg_in % 16 == 0;
   P.vec_store = aligned(out.data_ptr(), 16) && msg_out % 16 == 0;
   for (uint32_t i = 0; i < 16; ++i) P.pair_lo[i] = (P.k1 ^ i) & 15u;
+  int64_t blocks = (P.units + kWarps - 1) / kWarps;
+  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
+  const dim3 grid((unsigned)blocks, (unsigned)ndest);
   const c10::cuda::CUDAGuard guard(msgs.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const uint32_t nd = (uint32_t)ndest;
-  const bool ok = bits_in == 8 ? rq_launch<8>(P, group_out, nd, max_blocks, prefetch != 0, stream)
-                               : rq_launch<4>(P, group_out, nd, max_blocks, prefetch != 0, stream);
+  const bool ok = bits_in == 8 ? rq_launch<8>(P, group_out, grid, stream) : rq_launch<4>(P, group_out, grid, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return ok;
 }

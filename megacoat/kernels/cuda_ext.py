@@ -29,18 +29,6 @@ def precise_flags():
     return [f for f in NVCC_FLAGS if f != "--use_fast_math"]
 
 
-def headers_digest() -> str:
-    """A digest of csrc/*.cuh: torch's JIT build versions an extension by its sources and flags only, so
-    this goes into the flags and an edited shared header rebuilds every extension that may include it."""
-    import hashlib
-    h = hashlib.sha1()
-    for f in sorted(os.listdir(CSRC)) if os.path.isdir(CSRC) else ():
-        if f.endswith(".cuh"):
-            with open(os.path.join(CSRC, f), "rb") as fh:
-                h.update(f.encode() + b"\0" + fh.read())
-    return h.hexdigest()[:16]
-
-
 @lru_cache(maxsize=None)
 def load_extension(name: str, sources: Sequence[str], precise: bool = False) -> Optional[object]:
     """The compiled module `megacoat._<name>`, or None (after one warning) if it cannot be had.
@@ -63,8 +51,7 @@ def load_extension(name: str, sources: Sequence[str], precise: bool = False) -> 
         return None
     try:
         from torch.utils.cpp_extension import load
-        flags = (precise_flags() if precise else NVCC_FLAGS) + [f"-DMEGACOAT_HEADERS_DIGEST={headers_digest()}"]
-        return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=flags,
+        return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=precise_flags() if precise else NVCC_FLAGS,
                     extra_cflags=["-O3"], verbose=os.environ.get("MEGACOAT_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 - a failed build must leave the reference running
         warnings.warn(f"megacoat: building CUDA kernel '{name}' failed ({type(e).__name__}: {str(e)[-500:]}); using "

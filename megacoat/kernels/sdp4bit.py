@@ -103,24 +103,17 @@ def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest,
         BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
 
 
-def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key, max_blocks=0,
-                           prefetch=None) -> bool:
+def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key, max_blocks=0) -> bool:
     """The CUDA kernel where it covers the case (4-bit output, int8/int4 input, output groups of 32..512,
-    input groups a power of two >= 32, CUDA tensors): True if it ran, False if the caller must run another.
-    `prefetch`: the persistent L2-prefetching variant (same bytes); None: REQUANTIZE_PREFETCH."""
+    input groups a power of two >= 32, CUDA tensors): True if it ran, False if the caller must run another."""
     if bits_out != 4 or not msgs.is_cuda:
         return False
     ext = cuda_extension()
     if ext is None or not hasattr(ext, "reduce_requantize"):  # an older build of the extension
         return False
     return bool(ext.reduce_requantize(_check_msg(msgs), _check_msg(out), n, bits_in, group_in, bits_out, group_out,
-                                      ndest, key[0], key[1], max_blocks,
-                                      int(REQUANTIZE_PREFETCH if prefetch is None else prefetch)))
+                                      ndest, key[0], key[1], max_blocks))
 
-
-# Which reduce-requantize variant runs by default: the persistent grid whose warps prefetch their next unit
-# into L2, or one unit per warp (benchmarks/sdp4bit_bench.py measures both).
-REQUANTIZE_PREFETCH = False
 
 # The CUDA reduce-requantize passed tests/test_sdp4bit_cuda_gpu.py and the benchmark's byte-for-byte checks on
 # the H200 (2026-12-01 session 3 call 1: 0.123 ms vs Triton's 0.216 for 256M elements), so training uses it.
