@@ -169,11 +169,15 @@ __global__ void __launch_bounds__(kWarps * 32) encode_kernel(const Params P) {
     if (HAD && t) inv = -inv;  // (-x) * (-inv) == x * inv exactly
 
     const int64_t pos0 = (int64_t)b * P.slice_len + in_slice;  // block start within message d
-    // pair index p = e / 2 (mod 2^32) of the lane's first element pair; e0 (stream index of the block) is even
-    const uint32_t pt = (uint32_t)(((uint64_t)d * (uint64_t)P.n + (uint64_t)pos0) >> 1) + (t << (LB - 1));
+    // The block's 16 element pairs (stream index d * n + pos0, a multiple of 32) share the hash input's
+    // upper 28 bits x0 = A << 4, A = ((p >> 4) ^ k1) + k2; pair j of the block hashes x0 | j, whose first
+    // mixing step x ^ (x >> 16) is Z ^ j with Z = x0 ^ (x0 >> 16): one XOR per pair. This lane's pairs
+    // are j = (t << (LB - 1)) | (elem(r, 0) >> 1).
+    const uint32_t A = (((uint32_t)(((uint64_t)d * (uint64_t)P.n + (uint64_t)pos0) >> 5)) ^ P.k1) + P.k2;
+    const uint32_t x0 = A << 4;
+    const uint32_t Zt = (x0 ^ (x0 >> 16)) ^ (uint32_t)(t << (LB - 1));
     const uint32_t one = P.one_bits;  // in a register: (a & mask) | one is one LOP3
     constexpr uint32_t kMask = 0x7FFF80u;
-    constexpr int kLo = kMagicBits - kQmax, kHi = kMagicBits + kQmax;  // q in [-qmax, qmax]
     uint32_t word[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -182,22 +186,19 @@ __global__ void __launch_bounds__(kWarps * 32) encode_kernel(const Params P) {
       for (int i = 0; i < 4; i += 2) {
         const int r = 4 * m + i;
         // One hash per pair: element 2p takes the low 16 bits of h = y ^ (y >> 16), 2p + 1 the high
-        // ones; offset = float(1.bits16|1) - 1.5 with bits16 at mantissa bits 7..22. From y directly:
+        // ones, as f = 1 + u = float(1.bits16|1) with bits16 at mantissa bits 7..22. From y directly:
         // (h << 7) & mask = ((y << 7) ^ (y >> 9)) & mask and (h >> 9) & mask = (y >> 9) & mask.
-        uint32_t y = (pt + (uint32_t)(elem<LB>(r, 0) >> 1)) ^ P.k1;
-        y += P.k2;
-        y ^= y >> 16;
+        uint32_t y = Zt ^ (uint32_t)(elem<LB>(r, 0) >> 1);
         y *= kC1;
         y ^= y >> 15;
         y *= kC2;
         const uint32_t y9 = y >> 9;
-        const float r_lo = __fsub_rn(__uint_as_float((((y << 7) ^ y9) & kMask) | one), 1.5f);
-        const float r_hi = __fsub_rn(__uint_as_float((y9 & kMask) | one), 1.5f);
-        const float v0 = __fadd_rn(__fmul_rn(x[r], inv), r_lo);
-        const float v1 = __fadd_rn(__fmul_rn(x[r + 1], inv), r_hi);
-        // bits of v + 1.5 * 2^23 = kMagicBits + round-half-even(v); clamped to q in [-127, 127]
-        c[i] = min(max(__float_as_int(__fadd_rn(v0, kMagic)), kLo), kHi);
-        c[i + 1] = min(max(__float_as_int(__fadd_rn(v1, kMagic)), kLo), kHi);
+        const float f_lo = __uint_as_float((((y << 7) ^ y9) & kMask) | one);
+        const float f_hi = __uint_as_float((y9 & kMask) | one);
+        // q = floor(x * inv + f) - 1: the fma rounded toward -inf keeps the exact floor, and adding
+        // 1.5 * 2^23 - 1 toward -inf leaves kMagicBits + q in the bits; |q| <= 127 without a clamp.
+        c[i] = __float_as_int(__fadd_rd(__fmaf_rd(x[r], inv, f_lo), kMagic - 1.f));
+        c[i + 1] = __float_as_int(__fadd_rd(__fmaf_rd(x[r + 1], inv, f_hi), kMagic - 1.f));
       }
       // low bytes are q mod 256; code = q + 128 = (q mod 256) ^ 0x80
       const uint32_t w = __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040), 0x5410);
@@ -308,14 +309,15 @@ namespace {
 // store (32 nibbles). The per-element work is what bounds the Triton kernel, so it is cut here:
 // - code -> float: one PRMT puts the code byte under the bits of 1.5 * 2^23, one exact subtraction;
 // - absmax: one max.NaN of |x| per element (NaN propagates, and its bits are >= kInfBits like Inf);
-// - rounding adds 1.5 * 2^23 + 8: the result's low byte is the 4-bit code q + 8 itself (|v| < 7.5, see
-//   quantize_rows), so packing is a shift-add per pair and PRMTs;
-// - the hash input (pt + i) ^ k1 with pt a multiple of 16 is ((pt ^ k1) & ~15) + ((k1 ^ i) & 15): one add
-//   of a per-launch constant per pair.
+// - rounding is one fma toward -inf (x * inv + f) and one add toward -inf of 1.5 * 2^23 + 7: the result's
+//   low byte is the 4-bit code q + 8 itself (q = floor(x * inv + f) - 1 in [-7, 7]), so packing is a
+//   shift-add per pair and PRMTs;
+// - the lane's 16 pairs share the hash input's upper bits (codecs.hash_inputs): the first mixing step is
+//   one XOR per pair with a per-lane constant.
 
 constexpr int kRqLane = 32;                     // elements per lane
 constexpr int kRqUnit = 32 * kRqLane;           // elements per warp and iteration
-constexpr float kMagicQ8 = 12582920.0f;         // 1.5 * 2^23 + 8: low byte of the sum's bits = q + 8
+constexpr float kMagicQ7 = 12582919.0f;         // 1.5 * 2^23 + 7: low byte of (v + this) toward -inf = q + 8
 constexpr float kDeq8 = 12582912.0f + 128.0f;   // (1.5 * 2^23 + code) - this = code - 128, exact
 constexpr float kDeq4 = 12582912.0f + 8.0f;
 
@@ -331,7 +333,6 @@ struct RqParams {
   uint32_t k1, k2;
   uint32_t one_bits;        // 0x3F800040
   int vec_load, vec_store;  // 16-byte code loads / stores (else 4-byte ones)
-  uint32_t pair_lo[16];     // (k1 ^ i) & 15: low bits of the hash input of the lane's pair i
 };
 
 __device__ __forceinline__ float absmax_nan(float a, float b) {  // max(|a|, |b|), NaN if either is
@@ -448,26 +449,27 @@ __global__ void __launch_bounds__(kWarps * 32) requant_kernel(const RqParams P) 
     const float scale = bad ? __int_as_float(kNanBits) : (pos ? __fdiv_rn(amax, qmax) : 1.f);
     const float inv = pos ? __fdiv_rn(qmax, amax) : 0.f;
 
-    const uint32_t pt = (uint32_t)((uint64_t)e0 >> 1);  // pair index of the lane's first element (mod 2^32)
-    const uint32_t q0 = ((pt ^ P.k1) & ~15u) + P.k2;
+    // The lane's 16 pairs (e0 is a multiple of 32) hash (A << 4) | i, A = ((p0 >> 4) ^ k1) + k2: the first
+    // mixing step x ^ (x >> 16) is Z ^ i with Z = x0 ^ (x0 >> 16), x0 = A << 4.
+    const uint32_t A = ((uint32_t)((uint64_t)e0 >> 5) ^ P.k1) + P.k2;
+    const uint32_t x0 = A << 4;
+    const uint32_t Z = x0 ^ (x0 >> 16);
     const uint32_t one = P.one_bits;
     uint32_t pairs[kRqLane / 2];  // low byte: codes of elements 2i (low nibble) and 2i + 1
 #pragma unroll
     for (int i = 0; i < kRqLane / 2; ++i) {
-      uint32_t y = q0 + P.pair_lo[i];  // = ((pt + i) ^ k1) + k2
-      y ^= y >> 16;
+      uint32_t y = Z ^ (uint32_t)i;
       y *= kC1;
       y ^= y >> 15;
       y *= kC2;
-      // h = y ^ (y >> 16): element 2p takes its low 16 bits, 2p + 1 the high ones (those of y);
-      // offset = float(1.bits16|1) - 1.5 with bits16 at mantissa bits 7..22 (disjoint from `one`).
+      // h = y ^ (y >> 16): element 2p takes its low 16 bits, 2p + 1 the high ones (those of y), as
+      // f = 1 + u = float(1.bits16|1) with bits16 at mantissa bits 7..22 (disjoint from `one`).
       const uint32_t y16 = y >> 16;
-      const float r_lo = __fsub_rn(__uint_as_float((((y ^ y16) & 0xFFFFu) << 7) + one), 1.5f);
-      const float r_hi = __fsub_rn(__uint_as_float((y16 << 7) + one), 1.5f);
-      const float v0 = __fadd_rn(__fmul_rn(x[2 * i], inv), r_lo);
-      const float v1 = __fadd_rn(__fmul_rn(x[2 * i + 1], inv), r_hi);
-      const uint32_t c0 = __float_as_uint(__fadd_rn(v0, kMagicQ8));  // low byte: q + 8 in [1, 15]
-      const uint32_t c1 = __float_as_uint(__fadd_rn(v1, kMagicQ8));
+      const float f_lo = __uint_as_float((((y ^ y16) & 0xFFFFu) << 7) + one);
+      const float f_hi = __uint_as_float((y16 << 7) + one);
+      // q = floor(x * inv + f) - 1 (fma toward -inf keeps the exact floor); low byte: q + 8 in [1, 15]
+      const uint32_t c0 = __float_as_uint(__fadd_rd(__fmaf_rd(x[2 * i], inv, f_lo), kMagicQ7));
+      const uint32_t c1 = __float_as_uint(__fadd_rd(__fmaf_rd(x[2 * i + 1], inv, f_hi), kMagicQ7));
       pairs[i] = c0 + (c1 << 4);  // the low byte cannot carry: c0's is < 16, (c1 << 4)'s has zero low nibble
     }
     uint32_t o[4];
@@ -553,7 +555,6 @@ bool reduce_requantize(torch::Tensor msgs, torch::Tensor out, int64_t n, int64_t
   P.one_bits = 0x3F800040u;
   P.vec_load = aligned(msgs.data_ptr(), 16) && msg_in % 16 == 0;
   P.vec_store = aligned(out.data_ptr(), 16) && msg_out % 16 == 0;
-  for (uint32_t i = 0; i < 16; ++i) P.pair_lo[i] = (P.k1 ^ i) & 15u;
   int64_t blocks = (P.units + kWarps - 1) / kWarps;
   if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
   const dim3 grid((unsigned)blocks, (unsigned)ndest);

@@ -68,20 +68,38 @@ def test_quantizer_unbiased_over_seeds():
     assert (mean - x).abs().mean() < 0.02 * step.mean()
 
 
-def test_int4_needs_no_clamp_int8_does():
-    """The 4-bit kernels skip the clamp: for qmax = 7, x * inv + r < 7.5 for every fp32 amax, even at
-    x = amax with the largest offset. For qmax = 127 a tie at 127.5 exists (so int8 clamps)."""
+def test_codes_need_no_clamp():
+    """The kernels skip the clamp: for qmax = 7 and 127, floor(x * inv + u) stays in [-qmax, qmax] for
+    every fp32 amax, at x = +-amax with the extreme offsets u = 2^-17 and 1 - 2^-17 (exact arithmetic).
+    Without the half-step margin in u (u = 0 allowed) it would not."""
     g = torch.Generator().manual_seed(0)
     mant = torch.randint(0, 1 << 23, (1 << 20,), generator=g, dtype=torch.int32)
     expo = torch.randint(1, 254, (1 << 20,), generator=g, dtype=torch.int32)
     amax = ((expo << 23) | mant).view(torch.float32)
     amax = amax[amax >= C.MIN_AMAX]
-    r_max = torch.tensor(0.5 - 2 ** -17)
-    for qmax, can_overflow in ((7, False), (127, True)):
+    for qmax in (7, 127):
         inv = torch.full_like(amax, float(qmax)) / amax
-        v = amax * inv + r_max  # fp32, rounded after each operation like the kernels
-        over = (v + C.MAGIC).view(torch.int32) - C.MAGIC_BITS > qmax
-        assert bool(over.any()) == can_overflow, qmax
+        for sign in (1.0, -1.0):
+            for u in (2.0 ** -17, 1 - 2.0 ** -17):
+                q = C.floor_of_fma(sign * amax, inv, torch.full_like(amax, 1 + u)) - 1
+                assert int(q.min()) >= -qmax and int(q.max()) <= qmax, (qmax, sign, u)
+        q0 = C.floor_of_fma(-amax, inv, torch.ones_like(amax)) - 1  # u = 0: below -qmax for some amax
+        assert int(q0.min()) == -qmax - 1, qmax
+
+
+def test_floor_of_fma_is_exact():
+    """Against Python's exact rationals, on sums placed on and around integers (where a rounded sum
+    would floor wrongly) and on tiny products."""
+    from fractions import Fraction
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4000, generator=g) * torch.logspace(-30, 1, 4000)
+    y = torch.randn(4000, generator=g).abs() + 0.5
+    z = torch.floor(torch.rand(4000, generator=g) * 6) + 1.0 + torch.randint(0, 2, (4000,), generator=g) * 2.0 ** -17
+    z = z - (x.double() * y.double()).float() * (torch.rand(4000, generator=g) < 0.5)  # sums at integers
+    got = C.floor_of_fma(x, y, z)
+    for a, b, c, q in zip(x.tolist(), y.tolist(), z.tolist(), got.tolist()):
+        exact = Fraction(a) * Fraction(b) + Fraction(c)
+        assert q == exact.numerator // exact.denominator, (a, b, c)
 
 
 def test_nonfinite_group_dequantizes_to_nan():
@@ -106,7 +124,8 @@ def test_random_stream_depends_on_every_id():
     for other in [(2, 2, 3, 4), (1, 3, 3, 4), (1, 2, 4, 4), (1, 2, 3, 5)]:
         r = C.rounding_offsets(idx, C.derive_key(*other))
         assert (r == base).float().mean() < 0.01
-    # offsets are (k + 1/2) / 2^16 - 1/2: symmetric, inside (-1/2, 1/2), all 2^16 values about equally often
+    # f = 1 + u, u = (k + 1/2) / 2^16 inside (0, 1), all 2^16 values about equally often
+    base = base - 1.5  # exact: centred offsets in (-1/2, 1/2)
     k = ((base.double() + 0.5) * 65536 - 0.5)
     assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() <= 65535
     assert abs(base.double().mean().item()) < 0.005 and base.min() > -0.5 and base.max() < 0.5
@@ -119,8 +138,8 @@ def test_random_stream_depends_on_every_id():
     assert chi2 < 40, chi2
 
 
-def test_rounding_is_round_half_even_of_v_plus_offset():
-    """Independent check of the quantizer's integer step: float64 floor(y + r + 1/2) (ties to even)."""
+def test_rounding_is_floor_of_y_plus_offset():
+    """Independent check of the quantizer's integer step: float64 floor(x * inv + u) with u = f - 1."""
     torch.manual_seed(3)
     x = torch.randn(6, 256) * torch.tensor([1e-3, 1.0, 30.0, 7.0, 1e5, 2.0])[:, None]
     idx = torch.arange(x.numel()).view(6, 256) + 1000
@@ -129,9 +148,19 @@ def test_rounding_is_round_half_even_of_v_plus_offset():
         qmax = 2 ** (bits - 1) - 1
         q, s = C.quantize_groups(x, idx, key, bits)
         inv = (torch.full((6,), float(qmax)) / x.abs().amax(1))
-        v = ((x * inv[:, None]) + C.rounding_offsets(idx, key)).double()
-        want = torch.round(v).clamp(-qmax, qmax)  # torch.round: half to even, like the fp32 trick
-        assert torch.equal(q.double(), want)
+        y = x.double() * inv.double()[:, None] + (C.rounding_offsets(idx, key).double() - 1)
+        assert torch.equal(q.double(), torch.floor(y))
+
+
+def test_hash_input_blocks_of_16_pairs():
+    """Pairs 16b .. 16b + 15 share the hash input's upper 28 bits (the kernels compute them once per
+    lane) and differ from other blocks'; the mapping wraps mod 2^32 like the kernels' uint32 math."""
+    key = C.derive_key(4, 5)
+    p = torch.arange(1 << 12, dtype=torch.int64) + (1 << 32) - 2048  # crosses the 2^32 wrap of p
+    x = C.hash_inputs(p & C.M32, key)
+    assert int(x.max()) <= C.M32 and torch.equal(x & 15, p & 15)
+    hi = (x >> 4).view(-1, 16)
+    assert (hi == hi[:, :1]).all() and hi[:, 0].unique().numel() == hi.shape[0]
 
 
 def test_partitioned_encode_decode_matches_float64():

@@ -9,11 +9,15 @@ Quantizer (k = 4 or 8, qmax = 2^(k-1) - 1), per group of G contiguous elements:
             dequantizes to NaN and the optimizer's non-finite check fires)
     a group with amax < 2^-96 is sent as zeros with scale 1 (keeps qmax / amax finite)
     scale = amax / qmax   (fp32, IEEE division),   inv = qmax / amax
-    v     = x * inv + r   (fp32, rounded after the product and after the sum)
-    q     = round-half-even(v) (as bits of v + 1.5*2^23), clamped to [-qmax, qmax]
-    r     = stochastic offset in (-1/2, 1/2): 16 bits of a counter-based hash (bits16 + 1/2) / 2^16
-            - 1/2; one 32-bit hash of (key, e // 2) serves elements e = 2p (low half) and 2p + 1
-            (high half). P(round up) = frac(v - r) to 2^-16: unbiased, reproducible on any device.
+    q     = floor(x * inv + u), computed exactly (the product and the sum unrounded: one fma rounded
+            toward -inf, then floor); |x * inv| <= qmax (1 + 2^-24) and 2^-17 <= u <= 1 - 2^-17 keep
+            q in [-qmax, qmax] without a clamp
+    u     = stochastic offset in (0, 1): (bits16 + 1/2) / 2^16, carried as the fp32 f = 1 + u whose
+            mantissa bits 7..22 are bits16 (so q = floor(x * inv + f) - 1). bits16: 16 bits of a
+            counter-based hash; one 32-bit hash of pair p = e // 2 serves elements 2p (low half) and
+            2p + 1 (high half). Hash input: (((p >> 4) ^ k1) + k2) << 4 | (p & 15) (mod 2^32): the 16
+            pairs of 32 aligned elements share all but the low 4 bits, which a kernel computes once.
+            P(round up) = frac(x * inv) to 2^-16: unbiased, reproducible on any device.
 Dequantize: q * scale (fp32). Codes are stored as q + 2^(k-1): one byte each (k = 8) or two per
 byte (k = 4: element 2i in the low nibble).
 
@@ -38,7 +42,6 @@ HASH_C1, HASH_C2 = _kernels.HASH_C1, _kernels.HASH_C2
 MIN_AMAX = _kernels.MIN_AMAX
 MIN_AMAX_BITS = 0x0F800000  # fp32 bits of MIN_AMAX = 2^-96
 INF_BITS, ONE_BITS = 0x7F800000, 0x3F800000
-MAGIC, MAGIC_BITS = 12582912.0, 0x4B400000  # 1.5 * 2^23: (v + MAGIC) holds round(v) in its low bits
 HADAMARD_BLOCK = 32
 Key = Tuple[int, int]
 
@@ -75,13 +78,32 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def hash_inputs(p: torch.Tensor, key: Key) -> torch.Tensor:
+    """The 32-bit hash input of pair indices p (int64 holding uint32 values): the pair's 16-pair block
+    mixed with the key in the upper 28 bits, its position in the block in the low 4."""
+    return ((((((p >> 4) ^ key[0]) + key[1]) << 4) | (p & 15)) & M32)
+
+
 def rounding_offsets(idx: torch.Tensor, key: Key) -> torch.Tensor:
-    """Stochastic-rounding offsets r in (-1/2, 1/2) (fp32, exact multiples of 2^-17) of the
-    elements with stream indices `idx` (int64): 16 bits each, two elements per 32-bit hash."""
-    h = _mix32(((((idx >> 1) & M32) ^ key[0]) + key[1]) & M32)
+    """f = 1 + u (fp32 in (1, 2), exact multiples of 2^-17) with u the stochastic-rounding offsets in
+    (0, 1) of the elements with stream indices `idx` (int64): 16 bits each, two elements per hash."""
+    h = _mix32(hash_inputs((idx >> 1) & M32, key))
     bits16 = (h >> ((idx & 1) * 16)) & 0xFFFF
-    f = ((bits16 << 7) | 0x3F800040).to(torch.int32).view(torch.float32)  # 1 + (bits16 + 1/2) / 2^16
-    return f - 1.5
+    return ((bits16 << 7) | 0x3F800040).to(torch.int32).view(torch.float32)  # 1 + (bits16 + 1/2) / 2^16
+
+
+def floor_of_fma(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """floor(x * y + z) of fp32 tensors, exactly (int64): the product is exact in float64 (24 + 24 bits),
+    the sum's rounding error is recovered by TwoSum, and only a sum that rounded UP onto an integer
+    moves the floor (then the error is negative). The kernels get the same integer from one fma
+    rounded toward -inf."""
+    t = x.double() * y.double()
+    c = z.double()
+    s = t + c
+    b = s - t  # TwoSum (Knuth): s + err == t + c exactly
+    err = (t - (s - b)) + (c - b)
+    f = torch.floor(s)
+    return (f - ((s == f) & (err < 0)).double()).to(torch.int64)
 
 
 # ------------------------------------------------------------------------------------- Hadamard
@@ -121,10 +143,8 @@ def quantize_groups(x: torch.Tensor, idx: torch.Tensor, key: Key, bits: int) -> 
     qm = torch.full_like(amax, float(qmax))
     scale = torch.where(pos, amax / qm, torch.ones_like(amax))
     inv = torch.where(pos, qm / amax, torch.zeros_like(amax))
-    v = x * inv[:, None]
-    v = v + rounding_offsets(idx, key)
-    q = (v + MAGIC).view(torch.int32) - MAGIC_BITS
-    q = q.clamp(-qmax, qmax)
+    q = (floor_of_fma(x, inv[:, None].expand_as(x), rounding_offsets(idx, key)) - 1).to(torch.int32)
+    q = q.clamp(-qmax, qmax)  # never active (see the module doc); kept as a guard
     q = torch.where(bad[:, None], torch.zeros_like(q), q)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     return q, scale

@@ -17,8 +17,9 @@ Speed (all passes are bandwidth-bound on an H200 if the per-element work stays s
 - the grids are 2-D/3-D (tile, source/destination, block): no integer division per element;
 - 4-bit codes move as int32 words ([rows, C/8] loads/stores, unpacked with shifts in registers);
 - the absmax is an integer max over the fp32 bits (|x| bits order like |x|; Inf/NaN are the
-  values >= 0x7F800000), rounding is `x * inv + r` rounded to an integer with the 1.5*2^23 trick,
-  and codes become floats again by the same trick: no float<->int conversion instructions;
+  values >= 0x7F800000), rounding is floor(x * inv + f) - 1 from one fma and a floor (plus one
+  fma for the rare sum that rounded up onto an integer), and integers and floats convert by the
+  1.5*2^23 trick: no float<->int conversion instructions;
 - one 32-bit hash gives the random offsets of two elements (16 bits each).
 """
 import triton
@@ -46,23 +47,26 @@ def _mix32(x):
 
 @triton.jit
 def rounding_offsets(e0, k1, k2, R: tl.constexpr, C: tl.constexpr):
-    """Stochastic-rounding offsets r in (-1/2, 1/2) of the [R, C] tile whose row i holds stream
-    indices e0[i] .. e0[i] + C - 1 (e0 even). Pair p = e // 2 is hashed once: element 2p takes
-    the low 16 bits, 2p + 1 the high ones; r = 1.bits16|1 (fp32 in [1, 2)) - 1.5, exact."""
+    """f = 1 + u, u the stochastic-rounding offsets in (0, 1), of the [R, C] tile whose row i holds
+    stream indices e0[i] .. e0[i] + C - 1 (e0 even). Pair p = e // 2 is hashed once (input
+    (((p >> 4) ^ k1) + k2) << 4 | (p & 15)): element 2p takes the low 16 bits, 2p + 1 the high ones;
+    f = 1.bits16|1 in fp32, exact."""
     p = ((e0 >> 1)[:, None] + tl.arange(0, C // 2)[None, :]).to(tl.uint32)
-    h = _mix32((p ^ k1.to(tl.uint32)) + k2.to(tl.uint32))
+    h = _mix32(((((p >> 4) ^ k1.to(tl.uint32)) + k2.to(tl.uint32)) << 4) | (p & 15))
     lo = ((h << 7) & 0x7FFF80) | 0x3F800040
     hi = ((h >> 9) & 0x7FFF80) | 0x3F800040
-    f = tl.reshape(tl.join(lo, hi), (R, C)).to(tl.float32, bitcast=True)
-    return f - 1.5
+    return tl.reshape(tl.join(lo, hi), (R, C)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def quantize_rows(x, r, QMAX: tl.constexpr):
-    """Symmetric stochastic int quantization of each row (one group) of x [R, G] with offsets r.
+def quantize_rows(x, f, QMAX: tl.constexpr):
+    """Symmetric stochastic int quantization of each row (one group) of x [R, G] with offsets f = 1 + u.
 
     Returns (codes int32 = q + QMAX + 1 in [1, 2 QMAX + 1], fp32 scale per row). A group holding
-    Inf/NaN gets scale NaN and codes of q = 0 (dequantizes to NaN: the non-finite check fires)."""
+    Inf/NaN gets scale NaN and codes of q = 0 (dequantizes to NaN: the non-finite check fires).
+    q = floor(x * inv + f) - 1 exactly: v = fma(x, inv, f) rounds once, so floor(v) is the exact
+    floor unless v rounded up onto an integer, which the exact sign of fma(x, inv, f - floor(v))
+    (f - floor(v) is exact: a multiple of 2^-17 below 2^4) reveals."""
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax_b = tl.max(a, axis=1)
     bad = amax_b >= _INF_BITS
@@ -70,13 +74,10 @@ def quantize_rows(x, r, QMAX: tl.constexpr):
     amax = tl.where(pos, amax_b, _ONE_BITS).to(tl.float32, bitcast=True)
     qmax = amax * 0.0 + QMAX  # as an fp32 tensor (amax is finite)
     scale = tl.where(pos, tl.math.div_rn(amax, qmax), 1.0)
-    inv = tl.where(pos, tl.math.div_rn(qmax, amax), 0.0)
-    v = x * inv[:, None] + r
-    c = (v + _MAGIC).to(tl.int32, bitcast=True) - (_MAGIC_BITS - QMAX - 1)
-    if QMAX > 7:
-        # |x * inv| <= qmax + ulp(qmax): for qmax = 127, v can reach 127.5 (a tie rounding to 128).
-        # For qmax = 7, v < 7.5 always (ulp(7) = 2^-21 < 2^-17 of headroom in r): no clamp needed.
-        c = tl.minimum(tl.maximum(c, 1), 2 * QMAX + 1)
+    inv = tl.broadcast_to(tl.where(pos, tl.math.div_rn(qmax, amax), 0.0)[:, None], x.shape)
+    fl = tl.floor(tl.fma(x, inv, f))
+    below = tl.fma(x, inv, f - fl) < 0.0
+    c = (fl + _MAGIC).to(tl.int32, bitcast=True) - (_MAGIC_BITS - QMAX) - below.to(tl.int32)
     c = tl.where(bad[:, None], QMAX + 1, c)
     return c, tl.where(bad, float("nan"), scale)
 
