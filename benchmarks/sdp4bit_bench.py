@@ -45,10 +45,11 @@ ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "t
              "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
 # Tile sweep (elements per program, warps): the launchers read these module constants per call.
 SWEEP = [(4096, 4), (4096, 8), (8192, 4), (16384, 8)]
-# The CUDA kernels' grid cap (their max_blocks argument, read per call; 0 = one unit of work per warp, the
-# default) and the caps the grid sweep tries, in blocks per SM.
-CUDA_MAX_BLOCKS = 0
-GRID_SWEEP_PER_SM = [2, 4, 8, 16, 32]
+# The CUDA kernels' grid cap (their max_blocks argument, read per call; None = each kernel's default: the encode
+# uncapped, one unit of work per warp; the requantize kernels.sdp4bit.REQUANTIZE_BLOCKS_PER_SM per SM) and the
+# caps the grid sweep tries, in blocks per SM (0 = uncapped).
+CUDA_MAX_BLOCKS = None
+GRID_SWEEP_PER_SM = [0, 2, 4, 8, 16, 32]
 
 
 def _bench(fn):
@@ -83,7 +84,7 @@ def _safe(results, name, fn):
 
 def _cuda_encode(K, *args):
     """The CUDA C++ encode (csrc/sdp4bit_encode.cu); an error if it did not run (not built / not covered)."""
-    if not K.encode_partitioned_cuda(*args, max_blocks=CUDA_MAX_BLOCKS):
+    if not K.encode_partitioned_cuda(*args, max_blocks=CUDA_MAX_BLOCKS or 0):
         raise RuntimeError("the CUDA encode did not run (extension not built or disabled, or case not covered)")
 
 
@@ -208,7 +209,7 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
     _safe(results, "tile_sweep", sweep)
 
     def grid_sweep():
-        """The CUDA kernels with a capped grid (warps loop over units) against the default uncapped one."""
+        """The CUDA kernels with a capped grid (warps loop over units) and uncapped, against their defaults."""
         global CUDA_MAX_BLOCKS
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         table = {}
@@ -218,14 +219,14 @@ def kernel_part(results, n=256 * 2 ** 20, sweep_budget_s=60.0, exact_n=8 * 2 ** 
                 for name, (run, nbytes, _, _) in cases.items():
                     if name.endswith("_cuda"):
                         ms = _bench(run)
-                        table.setdefault(name, {})[f"{per_sm}/SM"] = {
+                        table.setdefault(name, {})[f"{per_sm}/SM" if per_sm else "uncapped"] = {
                             "ms": round(ms, 4), "frac_of_4300": round(nbytes / ms / 1e6 / HBM_GBS, 3)}
         finally:
-            CUDA_MAX_BLOCKS = 0
+            CUDA_MAX_BLOCKS = None
         for name, row in table.items():
             base = results.get(name, {}).get("ms")
             cells = "  ".join(f"{k}: {v['ms']}" for k, v in row.items())
-            print(f"grid {name:40s} uncapped: {base}  {cells}", flush=True)
+            print(f"grid {name:40s} default: {base}  {cells}", flush=True)
         results["cuda_grid_sweep"] = table
     _safe(results, "cuda_grid_sweep", grid_sweep)
 

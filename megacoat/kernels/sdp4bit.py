@@ -9,6 +9,7 @@ rounding hash live here (the lower layer) so that both implementations share one
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -103,14 +104,30 @@ def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest,
         BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
 
 
-def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key, max_blocks=0) -> bool:
+# The reduce-requantize's grid: at most this many blocks per SM (its warps then loop over units). On the H200,
+# 256M elements: 0.107-0.108 ms at 8-32 per SM against 0.113 ms uncapped (2026-12-01 session 5 call 2,
+# benchmarks/results/raw/2026-12-01_h200_s5call2_sdpbench.json). 0 = uncapped.
+REQUANTIZE_BLOCKS_PER_SM = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key,
+                           max_blocks=None) -> bool:
     """The CUDA kernel where it covers the case (4-bit output, int8/int4 input, output groups of 32..512,
-    input groups a power of two >= 32, CUDA tensors): True if it ran, False if the caller must run another."""
+    input groups a power of two >= 32, CUDA tensors): True if it ran, False if the caller must run another.
+    max_blocks: the grid cap (0 = uncapped; None = REQUANTIZE_BLOCKS_PER_SM per SM)."""
     if bits_out != 4 or not msgs.is_cuda:
         return False
     ext = cuda_extension()
     if ext is None or not hasattr(ext, "reduce_requantize"):  # an older build of the extension
         return False
+    if max_blocks is None:
+        max_blocks = REQUANTIZE_BLOCKS_PER_SM * _sm_count(msgs.device.index if msgs.device.index is not None
+                                                            else torch.cuda.current_device())
     return bool(ext.reduce_requantize(_check_msg(msgs), _check_msg(out), n, bits_in, group_in, bits_out, group_out,
                                       ndest, key[0], key[1], max_blocks))
 
