@@ -18,8 +18,9 @@
 // intrinsics: no FMA contraction, no fast math), pow/log2/exp2 are CUDA's powf/log2f/exp2f, which
 // torch's fp32 pow/log2/exp2 call on the GPU; so kernel and reference agree bit for bit. Changed
 // in form only: the max / nonzero-min reductions run in another order (exact operations) and the
-// fast form negates where the reference multiplies by sign(x) (same clamped value: see quant).
-// Build WITHOUT --use_fast_math (it would swap them for the approximate intrinsics and flush
+// fast form negates where the reference multiplies by sign(x) (same clamped value: see quant), and
+// sqrt(v) / bc2 is a multiplication by the rounded reciprocal plus Markstein's fma correction, which
+// gives the correctly rounded quotient (the division's bits). Build WITHOUT --use_fast_math (it would swap them for the approximate intrinsics and flush
 // denormals).
 //
 // The skip flag, the clip factor and the step count are read from device memory: the host never
@@ -70,8 +71,9 @@ constexpr int kNumVariants = 4;
 
 // kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
 // codes); kFp8ExpandFast: the same statistics, codes as exp2(k log2|x| - (k log2 c + log2 s)) and
-// values as exp2((log2|q| + log2 s) / k + log2 c) with log2|q| from a 128-entry table: per element
-// and moment one log2f and two exp2f instead of two powf and two divisions.
+// values as exp2((log2|q| + log2 s) / k + log2 c) with log2|q| from a 256-entry table of codes and
+// log2|x| piecewise linear from the host's 256-segment table (fp8_adam.log2_lut): per element and
+// moment two exp2f and a few fp32 operations instead of two powf and two divisions.
 enum Format : int { kFp32 = 0, kBf16 = 1, kFp8 = 2, kFp8Expand = 3, kFp8ExpandFast = 4 };
 
 struct Moment {
@@ -97,7 +99,10 @@ struct Args {
   const float* coeff;             // clip factor
   float lr, b1, ob1, b2, ob2, eps, wd, k16, kmax, tiny;
   int64_t num_groups;
+  const float2* log2_tab;         // [kLog2Segments] (T0, T1): fp8_adam.log2_table (FAST only)
 };
+
+constexpr int kLog2Segments = 256;  // fp8_adam.LOG2_SEGMENTS
 
 __device__ __forceinline__ float sign_of(float x) {
   return (float)(x > 0.f) - (float)(x < 0.f);  // as the reference: 0 for +-0
@@ -217,15 +222,26 @@ __device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int 
   return q;
 }
 
+// log2|x| as fp8_adam.log2_lut: exponent + T0 + T1 * (low 15 mantissa bits as the fp32 (1 + low15 2^-23) - 1),
+// each an fp32 operation in the reference's order; -inf for zeros and denormals.
+__device__ __forceinline__ float log2_lut(float x, const float2* tab) {
+  const uint32_t b = __float_as_uint(x) & 0x7FFFFFFFu;
+  const float2 t = tab[(b >> 15) & (kLog2Segments - 1)];
+  const float f = __fsub_rn(__uint_as_float((b & 0x7FFFu) | 0x3F800000u), 1.f);
+  const float e = __fsub_rn(__uint_as_float((b >> 23) | 0x4B000000u), 8388735.f);  // (2^23 + e8) - (2^23 + 127)
+  const float lg = __fadd_rn(__fadd_rn(__fmul_rn(t.y, f), t.x), e);
+  return b < 0x00800000u ? -CUDART_INF_F : lg;
+}
+
 // The E4M3 code of x (before the final conversion: the clamped fp32 value).
 template <int FMT>
-__device__ __forceinline__ float quant(float x, const Q& q) {
+__device__ __forceinline__ float quant(float x, const Q& q, const float2* lg_tab) {
   float y;
   if (FMT == kFp8ExpandFast) {
     // log2(0) = -inf -> exp2 -> 0: zeros stay zero. The reference multiplies by sign(x); negating
     // where x < 0 gives the same value after the clamp (e >= 0; x = +-0 or NaN: e is 0 or NaN,
     // and the clamp maps NaN to -448 whatever its sign), one instruction instead of four.
-    const float e = exp2f(__fsub_rn(__fmul_rn(q.k, log2f(fabsf(x))), q.a));
+    const float e = exp2f(__fsub_rn(__fmul_rn(q.k, log2_lut(x, lg_tab)), q.a));
     y = x < 0.f ? -e : e;
   } else {
     y = x;
@@ -271,16 +287,22 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
   constexpr int kHalf = kLanes / 2, kQuarter = kLanes / 4;  // partner (other moment), log2 split
   if (*A.found_inf != 0.f) return;  // skipped step: nothing changes (uniform over the block)
   __shared__ float2 tab[FAST ? 256 : 1];
+  __shared__ float2 lg_tab[FAST ? kLog2Segments : 1];
   if (FAST) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       const uint32_t mag = i & 0x7f;
       tab[i] = make_float2(log2f(fp8_to_float(mag)), mag == 0 ? 0.f : ((i & 0x80) ? -1.f : 1.f));
     }
+    for (int i = threadIdx.x; i < kLog2Segments; i += blockDim.x) lg_tab[i] = A.log2_tab[i];
     __syncthreads();
   }
   const float t = __fadd_rn(*A.step, 1.f);
   const float bc1 = __fsub_rn(1.f, powf(A.b1, t));
   const float bc2 = __fsqrt_rn(__fsub_rn(1.f, powf(A.b2, t)));
+  // sqrt(v) / bc2 by Markstein's correction with the reciprocal rounded once: q0 = a * r, q = q0 + (a - q0 bc2) r
+  // (two fmas) is the correctly rounded quotient, the same bits as the division (checked against exact
+  // rationals in tests/test_fp8_adam.py), for bc2 = sqrt(1 - b2^t) in (0, 1] (the config keeps beta2 < 1).
+  const float rbc2 = __frcp_rn(bc2);
   const float coeff = *A.coeff;
   const int lane = threadIdx.x & 31, slot = lane / kLanes, sub = lane % kLanes;
   const bool is_v = sub >= kLanes / 2;  // the moment whose per-group numbers this lane computes
@@ -385,7 +407,10 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       const float gg = __fmul_rn(gr[i], coeff);
       m[i] = __fadd_rn(__fmul_rn(m[i], A.b1), __fmul_rn(gg, A.ob1));
       v[i] = __fadd_rn(__fmul_rn(v[i], A.b2), __fmul_rn(__fmul_rn(gg, A.ob2), gg));
-      const float denom = __fmul_rn(__fadd_rn(__fdiv_rn(__fsqrt_rn(v[i]), bc2), A.eps), bc1);
+      const float sv = __fsqrt_rn(v[i]);
+      const float q0 = __fmul_rn(sv, rbc2);
+      const float sq = __fmaf_rn(__fmaf_rn(-q0, bc2, sv), rbc2, q0);  // == __fdiv_rn(sv, bc2)
+      const float denom = __fmul_rn(__fadd_rn(sq, A.eps), bc1);
       const float update = __fadd_rn(__fdiv_rn(m[i], denom), __fmul_rn(p[i], wd));
       p[i] = __fsub_rn(p[i], __fmul_rn(update, A.lr));
     }
@@ -466,10 +491,10 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       for (int j = 0; j < kRuns; ++j) {
         const int i = 4 * j;
         const int64_t o = e + j * kRunStride;
-        const uint32_t cm = float2_to_fp8x2(quant<FMT>(m[i], qm), quant<FMT>(m[i + 1], qm)) |
-                            float2_to_fp8x2(quant<FMT>(m[i + 2], qm), quant<FMT>(m[i + 3], qm)) << 16;
-        const uint32_t cv = float2_to_fp8x2(quant<FMT>(v[i], qv), quant<FMT>(v[i + 1], qv)) |
-                            float2_to_fp8x2(quant<FMT>(v[i + 2], qv), quant<FMT>(v[i + 3], qv)) << 16;
+        const uint32_t cm = float2_to_fp8x2(quant<FMT>(m[i], qm, lg_tab), quant<FMT>(m[i + 1], qm, lg_tab)) |
+                            float2_to_fp8x2(quant<FMT>(m[i + 2], qm, lg_tab), quant<FMT>(m[i + 3], qm, lg_tab)) << 16;
+        const uint32_t cv = float2_to_fp8x2(quant<FMT>(v[i], qv, lg_tab), quant<FMT>(v[i + 1], qv, lg_tab)) |
+                            float2_to_fp8x2(quant<FMT>(v[i + 2], qv, lg_tab), quant<FMT>(v[i + 3], qv, lg_tab)) << 16;
         *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.m.data) + o) = cm;
         *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(A.v.data) + o) = cv;
       }
@@ -534,7 +559,7 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
                 torch::Tensor m_data, torch::Tensor m_s, torch::Tensor m_k, torch::Tensor m_c, torch::Tensor v_data,
                 torch::Tensor v_s, torch::Tensor v_k, torch::Tensor v_c, int64_t fmt, torch::Tensor step,
                 torch::Tensor found_inf, torch::Tensor coeff, double lr, double b1, double ob1, double b2, double ob2,
-                double eps, double wd, double k16, double kmax, double tiny, int64_t variant) {
+                double eps, double wd, double k16, double kmax, double tiny, torch::Tensor log2_tab, int64_t variant) {
   // chunks: int64 [4, nchunks + 1] on the device: group starts (nchunks + 1), gradient addresses,
   // weight addresses (0: none), element counts.
   check(master.is_cuda() && master.scalar_type() == at::kFloat && master.is_contiguous() && aligned16(master),
@@ -545,6 +570,10 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
   check(decay.scalar_type() == at::kBool && decay.numel() == master.numel() / kGroup, "one decay flag per group");
   check(fmt >= 0 && fmt <= 4, "unknown moment format");
   check(variant >= 0 && variant < kNumVariants, "unknown kernel variant");
+  check(fmt != kFp8ExpandFast || (log2_tab.is_cuda() && log2_tab.scalar_type() == at::kFloat &&
+                                  log2_tab.is_contiguous() && log2_tab.numel() == 2 * kLog2Segments &&
+                                  aligned16(log2_tab) && log2_tab.get_device() == master.get_device()),
+        "log2 table: the contiguous fp32 CUDA tensor [256, 2] of fp8_adam.log2_table on the master's device");
   const int64_t stride = chunks.size(1);
   const int64_t* table = chunks.data_ptr<int64_t>();
   Args A;
@@ -563,6 +592,7 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
   A.lr = (float)lr; A.b1 = (float)b1; A.ob1 = (float)ob1; A.b2 = (float)b2; A.ob2 = (float)ob2;
   A.eps = (float)eps; A.wd = (float)wd; A.k16 = (float)k16; A.kmax = (float)kmax; A.tiny = (float)tiny;
   A.num_groups = master.numel() / kGroup;
+  A.log2_tab = fmt == kFp8ExpandFast ? reinterpret_cast<const float2*>(log2_tab.data_ptr<float>()) : nullptr;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = grad_is_bf16 != 0;
   switch (variant) {
@@ -580,5 +610,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("m_s"), py::arg("m_k"), py::arg("m_c"), py::arg("v_data"), py::arg("v_s"), py::arg("v_k"),
         py::arg("v_c"), py::arg("fmt"), py::arg("step"), py::arg("found_inf"), py::arg("coeff"), py::arg("lr"),
         py::arg("b1"), py::arg("ob1"), py::arg("b2"), py::arg("ob2"), py::arg("eps"), py::arg("wd"), py::arg("k16"),
-        py::arg("kmax"), py::arg("tiny"), py::arg("variant") = 0);
+        py::arg("kmax"), py::arg("tiny"), py::arg("log2_tab"), py::arg("variant") = 0);
 }

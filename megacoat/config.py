@@ -425,6 +425,9 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         o.lr_decay_iters = t.train_iters
     if o.min_lr > o.lr:
         errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
+    for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+        if not 0.0 <= beta < 1.0:  # 1 would divide by a zero bias correction
+            errors.append(f"{flag} {beta} must be >= 0 and < 1.")
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1).")

@@ -91,6 +91,8 @@ def test_rampup_resume_is_exact(tmp_path):
     (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "must be >= 1"),
     (["--save-retain", "0"], "--save-retain must be >= 1"),
     (["--lr-warmup-fraction", "1.5"], "must be in [0, 1]"),
+    (["--adam-beta2", "1.0"], "--adam-beta2 1.0 must be >= 0 and < 1"),
+    (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1 must be >= 0 and < 1"),
 ])
 def test_bad_schedule_flags(flags, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -68,6 +68,38 @@ def exp2_32(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(x.double()).float()
 
 
+# log2 of a moment's magnitude in the fast quantizer: exponent + piecewise-linear log2 of the mantissa over
+# LOG2_SEGMENTS segments (top 8 mantissa bits), error <= 2.8e-6 (of the order of log2f's own rounding at the
+# moments' magnitudes). The table is data: the kernel receives this very tensor, so both compute the same bits.
+LOG2_SEGMENTS = 256
+_LOG2_TABLES: Dict[str, torch.Tensor] = {}
+
+
+def log2_table(device) -> torch.Tensor:
+    """[LOG2_SEGMENTS, 2] fp32: per segment i of [1, 2), T0 = log2(1 + i / 256) and the slope T1 =
+    (T0[i + 1] - T0[i]) * 256 per unit of the fp32 `(1 + low15 * 2^-23) - 1` (low15: the mantissa's low
+    15 bits, the position inside the segment, in [0, 2^-8)), so that T0 + T1 * that interpolates linearly."""
+    key = str(device)
+    if key not in _LOG2_TABLES:
+        i = torch.arange(LOG2_SEGMENTS + 1, dtype=torch.float64)
+        t0 = torch.log2(1 + i / LOG2_SEGMENTS).float()
+        t1 = ((t0[1:].double() - t0[:-1].double()) * LOG2_SEGMENTS).float()
+        _LOG2_TABLES[key] = torch.stack([t0[:-1], t1], dim=1).contiguous().to(device)
+    return _LOG2_TABLES[key]
+
+
+def log2_lut(x: torch.Tensor) -> torch.Tensor:
+    """log2|x| (fp32) as the kernel computes it: e + (T0[i] + T1[i] * f), every operation one fp32
+    rounding; -inf for zeros and for denormals (|x| < 2^-126: such moments quantize to 0)."""
+    b = x.view(torch.int32) & 0x7FFFFFFF
+    tab = log2_table(x.device)
+    seg = tab[((b >> 15) & (LOG2_SEGMENTS - 1)).long()]
+    f = ((b & 0x7FFF) | 0x3F800000).view(torch.float32) - 1.0          # low15 * 2^-23, exact
+    e = ((b >> 23) - 127).float()
+    lg = (seg[..., 1] * f + seg[..., 0]) + e
+    return torch.where(b < 0x00800000, torch.full_like(lg, -math.inf), lg)
+
+
 def _sign(x: torch.Tensor) -> torch.Tensor:
     """+1, -1 or 0 (also for -0.0): the kernel computes (x > 0) - (x < 0)."""
     return (x > 0).float() - (x < 0).float()
@@ -94,13 +126,14 @@ def group_stats(x: torch.Tensor, expand: bool):
 def quantize_groups(x: torch.Tensor, s, k, c, expand: bool, fast: bool = False) -> torch.Tensor:
     """E4M3 codes (uint8, shape of x [G, 128]) of x under the group statistics.
 
-    `fast` (expansion only): (|x|/c)^k / s as exp2(k log2|x| - (k log2 c + log2 s)), one log2 and
-    one exp2 per element and no division (COAT's form costs two divisions and a powf). Same group
-    statistics; the code differs from the exact form only where the value lies within ~1e-5
-    (relative) of a rounding boundary, and then by one E4M3 step (tests/test_fp8_adam.py)."""
+    `fast` (expansion only): (|x|/c)^k / s as exp2(k log2|x| - (k log2 c + log2 s)), with log2|x| from
+    `log2_lut` (a table lookup and three fp32 operations) and one exp2 per element, no division (COAT's
+    form costs two divisions and a powf). Same group statistics; the code differs from the exact form only
+    where the value lies within ~k * 3e-6 (relative) of a rounding boundary, and then by one E4M3 step
+    (tests/test_fp8_adam_fast.py)."""
     if expand and fast:
         a = k * log2_32(c) + log2_32(s)                        # per group
-        y = _sign(x) * exp2_32(k[:, None] * log2_32(x.abs()) - a[:, None])
+        y = _sign(x) * exp2_32(k[:, None] * log2_lut(x) - a[:, None])
     elif expand:
         y = _sign(x) * pow32(x.abs() / c[:, None], k[:, None]) / s[:, None]
     else:
@@ -416,7 +449,8 @@ class PrecisionAwareAdamW:
             int(self.chunks[0].grad.dtype == torch.bfloat16), self.group_decay,
             m.data, opt[0], opt[1], opt[2], v.data, opt[3], opt[4], opt[5],
             _format_code(m), self.step_count, found_inf, coeff,
-            float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY, **extra)
+            float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY,
+            log2_table(self.master.device), **extra)
 
     def _device_reference(self, lr, coeff, found_inf) -> None:
         """GPU without the kernel: the reference on copies, kept only when the step is not skipped
