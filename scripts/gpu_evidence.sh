@@ -3,7 +3,7 @@
 #   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
-#   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON)
+#   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON; FP8_ARGS, OPT_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS); coat7 also
@@ -77,7 +77,7 @@ fi
 for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_bench.py; do
   st=${b%%:*}; f=${b##*:}
   if has $st && ! late $st && [ -f benchmarks/$f ]; then echo "== $f $(el)" | tee -a $LOG
-    extra=""; [ $st = fp8bench ] && extra="${FP8_ARGS:-}"
+    extra=""; [ $st = fp8bench ] && extra="${FP8_ARGS:-}"; [ $st = optbench ] && extra="${OPT_ARGS:-}"
     timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json $extra 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
   fi
 done
