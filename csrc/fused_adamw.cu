@@ -72,7 +72,7 @@ constexpr int kNumVariants = 4;
 // kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
 // codes); kFp8ExpandFast: the same statistics, codes as exp2(k log2|x| - (k log2 c + log2 s)) and
 // values as exp2((log2|q| + log2 s) / k + log2 c) with log2|q| from a 256-entry table of codes and
-// log2|x| piecewise linear from the host's 256-segment table (fp8_adam.log2_lut): per element and
+// log2|x| piecewise linear from the host's 1024-segment table (fp8_adam.log2_lut): per element and
 // moment two exp2f and a few fp32 operations instead of two powf and two divisions.
 enum Format : int { kFp32 = 0, kBf16 = 1, kFp8 = 2, kFp8Expand = 3, kFp8ExpandFast = 4 };
 
@@ -102,7 +102,8 @@ struct Args {
   const float2* log2_tab;         // [kLog2Segments] (T0, T1): fp8_adam.log2_table (FAST only)
 };
 
-constexpr int kLog2Segments = 256;  // fp8_adam.LOG2_SEGMENTS
+constexpr int kSegmentBits = 10;                   // fp8_adam._SEGMENT_BITS
+constexpr int kLog2Segments = 1 << kSegmentBits;  // fp8_adam.LOG2_SEGMENTS
 
 __device__ __forceinline__ float sign_of(float x) {
   return (float)(x > 0.f) - (float)(x < 0.f);  // as the reference: 0 for +-0
@@ -222,12 +223,12 @@ __device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int 
   return q;
 }
 
-// log2|x| as fp8_adam.log2_lut: exponent + T0 + T1 * (low 15 mantissa bits as the fp32 (1 + low15 2^-23) - 1),
+// log2|x| as fp8_adam.log2_lut: exponent + T0 + T1 * (low 13 mantissa bits as the fp32 (1 + low13 2^-23) - 1),
 // each an fp32 operation in the reference's order; -inf for zeros and denormals.
 __device__ __forceinline__ float log2_lut(float x, const float2* tab) {
   const uint32_t b = __float_as_uint(x) & 0x7FFFFFFFu;
-  const float2 t = tab[(b >> 15) & (kLog2Segments - 1)];
-  const float f = __fsub_rn(__uint_as_float((b & 0x7FFFu) | 0x3F800000u), 1.f);
+  const float2 t = tab[(b >> (23 - kSegmentBits)) & (kLog2Segments - 1)];
+  const float f = __fsub_rn(__uint_as_float((b & ((1u << (23 - kSegmentBits)) - 1)) | 0x3F800000u), 1.f);
   const float e = __fsub_rn(__uint_as_float((b >> 23) | 0x4B000000u), 8388735.f);  // (2^23 + e8) - (2^23 + 127)
   const float lg = __fadd_rn(__fadd_rn(__fmul_rn(t.y, f), t.x), e);
   return b < 0x00800000u ? -CUDART_INF_F : lg;
@@ -573,7 +574,7 @@ void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16
   check(fmt != kFp8ExpandFast || (log2_tab.is_cuda() && log2_tab.scalar_type() == at::kFloat &&
                                   log2_tab.is_contiguous() && log2_tab.numel() == 2 * kLog2Segments &&
                                   aligned16(log2_tab) && log2_tab.get_device() == master.get_device()),
-        "log2 table: the contiguous fp32 CUDA tensor [256, 2] of fp8_adam.log2_table on the master's device");
+        "log2 table: the contiguous fp32 CUDA tensor [1024, 2] of fp8_adam.log2_table on the master's device");
   const int64_t stride = chunks.size(1);
   const int64_t* table = chunks.data_ptr<int64_t>();
   Args A;

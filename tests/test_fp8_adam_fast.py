@@ -164,16 +164,18 @@ def test_reference_traces_without_graph_breaks():
 
 
 def test_log2_lut_accuracy_and_edges():
-    """The fast quantizer's log2|x| (fp8_adam.log2_lut: exponent + 256-segment linear interpolation, the
-    table passed to the kernel as data) is within 8e-6 of float64 log2 over 60 decades (interpolation
-    <= 2.8e-6, plus the fp32 rounding of results up to |126|), exact at powers of two, -inf for zeros and
-    denormals, and sign-blind."""
+    """The fast quantizer's log2|x| (fp8_adam.log2_lut: exponent + 1024-segment linear interpolation, the
+    table passed to the kernel as data) is within 5e-6 of float64 log2 over 60 decades (interpolation
+    <= 1.8e-7, plus the fp32 rounding of results up to |126|), and within 6e-7 (about an ulp) for |x| in [2^-8, 2^8);
+    exact at powers of two, -inf for zeros and denormals, and sign-blind."""
     from megacoat.optim.fp8_adam import log2_lut
     g = torch.Generator().manual_seed(11)
     x = torch.exp(torch.randn(1 << 18, generator=g) * 20).float()
     x = x[(x > 1.2e-38) & torch.isfinite(x)]
-    err = (log2_lut(x).double() - torch.log2(x.double())).abs().max().item()
-    assert err < 8e-6, err
+    err = (log2_lut(x).double() - torch.log2(x.double())).abs()
+    assert err.max().item() < 5e-6, err.max().item()
+    near = (x >= 2 ** -8) & (x < 2 ** 8)
+    assert err[near].max().item() < 6e-7, err[near].max().item()
     p2 = torch.tensor([2.0 ** e for e in range(-126, 127, 7)])
     assert torch.equal(log2_lut(p2), torch.log2(p2))
     assert torch.equal(log2_lut(-x[:100]), log2_lut(x[:100]))

@@ -69,16 +69,18 @@ def exp2_32(x: torch.Tensor) -> torch.Tensor:
 
 
 # log2 of a moment's magnitude in the fast quantizer: exponent + piecewise-linear log2 of the mantissa over
-# LOG2_SEGMENTS segments (top 8 mantissa bits), error <= 2.8e-6 (of the order of log2f's own rounding at the
-# moments' magnitudes). The table is data: the kernel receives this very tensor, so both compute the same bits.
-LOG2_SEGMENTS = 256
+# LOG2_SEGMENTS segments (top 10 mantissa bits), interpolation error <= 1.8e-7 (below the fp32 rounding of
+# log2 results beyond |2|, as log2f's own). The table is data: the kernel receives this very tensor, so both
+# compute the same bits.
+LOG2_SEGMENTS = 1024
+_SEGMENT_BITS = 10  # log2(LOG2_SEGMENTS): the mantissa's top bits index the segment, the low 13 place x in it
 _LOG2_TABLES: Dict[str, torch.Tensor] = {}
 
 
 def log2_table(device) -> torch.Tensor:
-    """[LOG2_SEGMENTS, 2] fp32: per segment i of [1, 2), T0 = log2(1 + i / 256) and the slope T1 =
-    (T0[i + 1] - T0[i]) * 256 per unit of the fp32 `(1 + low15 * 2^-23) - 1` (low15: the mantissa's low
-    15 bits, the position inside the segment, in [0, 2^-8)), so that T0 + T1 * that interpolates linearly."""
+    """[LOG2_SEGMENTS, 2] fp32: per segment i of [1, 2), T0 = log2(1 + i / 1024) and the slope T1 =
+    (T0[i + 1] - T0[i]) * 1024 per unit of the fp32 `(1 + low13 * 2^-23) - 1` (low13: the mantissa's low
+    13 bits, the position inside the segment, in [0, 2^-10)), so that T0 + T1 * that interpolates linearly."""
     key = str(device)
     if key not in _LOG2_TABLES:
         i = torch.arange(LOG2_SEGMENTS + 1, dtype=torch.float64)
@@ -93,8 +95,8 @@ def log2_lut(x: torch.Tensor) -> torch.Tensor:
     rounding; -inf for zeros and for denormals (|x| < 2^-126: such moments quantize to 0)."""
     b = x.view(torch.int32) & 0x7FFFFFFF
     tab = log2_table(x.device)
-    seg = tab[((b >> 15) & (LOG2_SEGMENTS - 1)).long()]
-    f = ((b & 0x7FFF) | 0x3F800000).view(torch.float32) - 1.0          # low15 * 2^-23, exact
+    seg = tab[((b >> (23 - _SEGMENT_BITS)) & (LOG2_SEGMENTS - 1)).long()]
+    f = ((b & ((1 << (23 - _SEGMENT_BITS)) - 1)) | 0x3F800000).view(torch.float32) - 1.0  # low13 * 2^-23, exact
     e = ((b >> 23) - 127).float()
     lg = (seg[..., 1] * f + seg[..., 0]) + e
     return torch.where(b < 0x00800000, torch.full_like(lg, -math.inf), lg)
