@@ -9,6 +9,7 @@
 """
 import os
 import sys
+import time
 
 from megacoat.config import ConfigError, parse_args
 from megacoat.data import DataConfigError, TokenizerError
@@ -16,6 +17,22 @@ from megacoat.parallel.context import LaunchError
 from megacoat.training.log import configure_library_logging
 from megacoat.training.faults import TrainingStopped
 from megacoat.training.trainer import pretrain
+
+
+# How long a rank other than 0 waits before reporting a configuration error itself (see report_config_error).
+ERROR_GRACE_S = 5.0
+
+
+def report_config_error(e: Exception) -> None:
+    """Configuration errors are found identically by every rank: rank 0 prints them, once. The others
+    wait a little first: a launcher such as torchrun ends every process as soon as one exits, so a rank
+    that exited at once could take rank 0's message with it. If the error is theirs alone (a file missing
+    on one node), they print it after the wait, with their rank."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        time.sleep(ERROR_GRACE_S)
+    print(f"pretrain_gpt.py: error: {e}" if rank == "0" else f"pretrain_gpt.py: error on rank {rank}: {e}",
+          file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -31,9 +48,7 @@ def main(argv=None) -> int:
             return 0
         pretrain(cfg)
     except (ConfigError, DataConfigError, TokenizerError, LaunchError) as e:
-        # Configuration errors are found identically by every rank: print them once, not once per rank.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        report_config_error(e)
         return 2
     except TrainingStopped as e:
         # Every rank stops at the same step for the same reason: say it once.
