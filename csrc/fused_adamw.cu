@@ -240,8 +240,8 @@ __device__ __forceinline__ float quant(float x, const Q& q, const float2* lg_tab
   float y;
   if (FMT == kFp8ExpandFast) {
     // log2(0) = -inf -> exp2 -> 0: zeros stay zero. The reference multiplies by sign(x); negating
-    // where x < 0 gives the same value after the clamp (e >= 0; x = +-0 or NaN: e is 0 or NaN,
-    // and the clamp maps NaN to -448 whatever its sign), one instruction instead of four.
+    // where x < 0 gives the same value after the clamp (e >= 0; x = +-0: e is 0; a NaN e, from a NaN
+    // group statistic, clamps to -448 whatever its sign), one instruction instead of four.
     const float e = exp2f(__fsub_rn(__fmul_rn(q.k, log2_lut(x, lg_tab)), q.a));
     y = x < 0.f ? -e : e;
   } else {
@@ -410,7 +410,9 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       v[i] = __fadd_rn(__fmul_rn(v[i], A.b2), __fmul_rn(__fmul_rn(gg, A.ob2), gg));
       const float sv = __fsqrt_rn(v[i]);
       const float q0 = __fmul_rn(sv, rbc2);
-      const float sq = __fmaf_rn(__fmaf_rn(-q0, bc2, sv), rbc2, q0);  // == __fdiv_rn(sv, bc2)
+      // == __fdiv_rn(sv, bc2); an infinite v (a gradient square beyond fp32, clipping off) divides to inf, as
+      // there, where the correction would make inf - inf = NaN
+      const float sq = isinf(sv) ? sv : __fmaf_rn(__fmaf_rn(-q0, bc2, sv), rbc2, q0);
       const float denom = __fmul_rn(__fadd_rn(sq, A.eps), bc1);
       const float update = __fadd_rn(__fdiv_rn(m[i], denom), __fmul_rn(p[i], wd));
       p[i] = __fsub_rn(p[i], __fmul_rn(update, A.lr));

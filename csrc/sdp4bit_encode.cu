@@ -3,9 +3,10 @@
 // Triton `encode_partitioned_kernel` and the torch reference
 // `megacoat.comm.codecs.encode_partitioned_reference` (the specification): every fp32 operation is
 // the same IEEE-rounded one in the same order (explicit __f*_rn intrinsics: no FMA contraction, no
-// fast math; the one fma has an exact product of +-1, see fwht32), the butterflies run in the
-// reference's order (h = 1, 2, 4, 8, 16; (a + b, a - b)),
-// the random offsets come from the same 32-bit hash of the stream index.
+// fast math; the butterflies' one fma has an exact product of +-1, see fwht32), except the
+// quantizer's floor, an fma and an add rounded toward -inf (__fmaf_rd, __fadd_rd) that give the
+// reference's exact floor(x * inv + f); the butterflies run in the reference's order (h = 1, 2, 4, 8,
+// 16; (a + b, a - b)); the random offsets come from the same 32-bit hash of the stream index.
 //
 // Layout: a lane pair owns one 32-element Hadamard block and holds 16 elements of it in registers,
 // loaded as 16-byte vectors (fp32: 4 elements, bf16: 8); the element-index bit that tells the two

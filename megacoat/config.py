@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -426,8 +427,9 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     if o.min_lr > o.lr:
         errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
     for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
-        if not 0.0 <= beta < 1.0:  # 1 would divide by a zero bias correction
-            errors.append(f"{flag} {beta} must be >= 0 and < 1.")
+        # The optimizers compute in fp32: a beta that rounds to 1 there zeroes a bias correction.
+        if not 0.0 <= struct.unpack("f", struct.pack("f", beta))[0] < 1.0:
+            errors.append(f"{flag} {beta} must be >= 0 and < 1 in fp32.")
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1).")

@@ -285,7 +285,7 @@ def test_markstein_division_equals_correctly_rounded_quotient():
     for n in range(3000):
         t = rnd.choice([1, 2, 3, 10, 1000, rnd.randint(1, 10 ** 6)])
         d = f32(math.sqrt(1 - rnd.choice([0.95, 0.999, 0.9999]) ** t))
-        a = f32(math.exp(rnd.uniform(-80, 80)))
+        a = f32(math.exp(rnd.uniform(-60, 60)))  # residuals stay normal (what _round_fp32 models)
         if n % 5 == 0:
             a = f32(float(Fraction(2) ** rnd.randint(-60, 60) * (2 - Fraction(rnd.randint(0, 7), 2 ** 23))))
         r = _round_fp32(1 / d)

@@ -92,6 +92,7 @@ def test_rampup_resume_is_exact(tmp_path):
     (["--save-retain", "0"], "--save-retain must be >= 1"),
     (["--lr-warmup-fraction", "1.5"], "must be in [0, 1]"),
     (["--adam-beta2", "1.0"], "--adam-beta2 1.0 must be >= 0 and < 1"),
+    (["--adam-beta2", "0.99999999"], "--adam-beta2 0.99999999 must be >= 0 and < 1 in fp32"),
     (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1 must be >= 0 and < 1"),
 ])
 def test_bad_schedule_flags(flags, message):

@@ -43,8 +43,9 @@ def _rows(group: int) -> int:
     return max(1, TILE // group)
 
 
-def _hw_bf16() -> bool:
-    """The GPU's bf16 rounding instruction, except under the interpreter (it truncates bf16 casts)."""
+def _hw() -> bool:
+    """The kernels' HW flag: compiled for the GPU, so they may use instructions the interpreter lacks (the
+    bf16 rounding cvt: it truncates bf16 casts; inline PTX fma.rm / add.rm for the quantizer's floor)."""
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -101,7 +102,7 @@ def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest,
     r = _rows(group)
     _k().encode_partitioned_kernel[(_cdiv(slice_len // group, r), nblocks, ndest)](
         src, _check_msg(out), shard_size, slice_off, slice_len, ndest, out.shape[-1], key[0], key[1],
-        BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), num_warps=WARPS, **_OPTS)
+        BITS=bits, G=group, R=r, HADAMARD=bool(hadamard), PACK=_pack(src), HW=_hw(), num_warps=WARPS, **_OPTS)
 
 
 # The reduce-requantize's grid: at most this many blocks per SM (its warps then loop over units). On the H200,
@@ -150,14 +151,15 @@ def reduce_requantize_triton(msgs, out, n, bits_in, group_in, bits_out, group_ou
     r = _rows(group_out)
     _k().reduce_requantize_kernel[(_cdiv(m // group_out, r), ndest)](
         _check_msg(msgs), _check_msg(out), msgs.shape[0], n, m, msgs.shape[-1], out.shape[-1], key[0], key[1],
-        BITS_IN=bits_in, G_IN=group_in, BITS_OUT=bits_out, G_OUT=group_out, R=r, PACK=4, num_warps=WARPS, **_OPTS)
+        BITS_IN=bits_in, G_IN=group_in, BITS_OUT=bits_out, G_OUT=group_out, R=r, PACK=4, HW=_hw(), num_warps=WARPS,
+        **_OPTS)
 
 
 def reduce_decode(msgs, out, n, bits, group, hadamard, scale):
     r = _rows(group)
     _k().reduce_decode_kernel[(_cdiv(n // group, r),)](
         _check_msg(msgs), out, msgs.shape[0], n, msgs.shape[-1], float(scale), BITS=bits, G=group, R=r,
-        HADAMARD=bool(hadamard), OUT_BF16=_is_bf16(out), HW_BF16=_hw_bf16(), PACK=_pack(out), num_warps=WARPS,
+        HADAMARD=bool(hadamard), OUT_BF16=_is_bf16(out), HW=_hw(), PACK=_pack(out), num_warps=WARPS,
         **_OPTS)
 
 
@@ -166,7 +168,7 @@ def encode_delta(master, weights, out, bits, group, key, directly):
     r = _rows(group)
     _k().encode_delta_kernel[(_cdiv(n_groups, r),)](
         master, weights, _check_msg(out), n_groups, key[0], key[1], BITS=bits, G=group, R=r,
-        DIRECT=bool(directly), W_BF16=_is_bf16(weights), HW_BF16=_hw_bf16(), PACK=_pack(master), num_warps=WARPS,
+        DIRECT=bool(directly), W_BF16=_is_bf16(weights), HW=_hw(), PACK=_pack(master), num_warps=WARPS,
         **_OPTS)
 
 
@@ -176,4 +178,4 @@ def apply_delta(msgs, weights, bits, group, directly):
     r = _rows(group)
     _k().apply_delta_kernel[(_cdiv(n // group, r), nsrc)](
         _check_msg(msgs), weights, n, msgs.shape[-1], BITS=bits, G=group, R=r, DIRECT=bool(directly),
-        W_BF16=_is_bf16(weights), HW_BF16=_hw_bf16(), PACK=_pack(weights), num_warps=WARPS, **_OPTS)
+        W_BF16=_is_bf16(weights), HW=_hw(), PACK=_pack(weights), num_warps=WARPS, **_OPTS)

@@ -172,6 +172,8 @@ class MomentState:
             raise ValueError(f"a flat optimizer shard must hold whole groups of {GROUP}, got {n} elements")
         self.fmt, self.n, self.expand = fmt, n, expand and fmt == "fp8"
         self.fast = fast and self.expand   # exp2/log2 form of the expansion (quantize_groups)
+        if self.fast:
+            log2_table(device)  # made here, not first inside a (possibly compiled) step
         g = n // GROUP
         if fmt == "fp8":
             self.data = torch.zeros(n, dtype=torch.uint8, device=device)
@@ -445,7 +447,7 @@ class PrecisionAwareAdamW:
         m, v = self.m, self.v
         empty = torch.empty(0, dtype=torch.float32, device=self.master.device)
         opt = [t if t is not None else empty for t in (m.s, m.k, m.c, v.s, v.k, v.c)]
-        extra = {"variant": self.variant} if self.variant else {}  # default: also an older build's signature
+        extra = {"variant": self.variant} if self.variant else {}
         self.ext.adamw_step(
             self.master, chunk_table(self.chunks, self.master.device),
             int(self.chunks[0].grad.dtype == torch.bfloat16), self.group_decay,

@@ -17,9 +17,11 @@ Speed (all passes are bandwidth-bound on an H200 if the per-element work stays s
 - the grids are 2-D/3-D (tile, source/destination, block): no integer division per element;
 - 4-bit codes move as int32 words ([rows, C/8] loads/stores, unpacked with shifts in registers);
 - the absmax is an integer max over the fp32 bits (|x| bits order like |x|; Inf/NaN are the
-  values >= 0x7F800000), rounding is floor(x * inv + f) - 1 from one fma and a floor (plus one
-  fma for the rare sum that rounded up onto an integer), and integers and floats convert by the
-  1.5*2^23 trick: no float<->int conversion instructions;
+  values >= 0x7F800000), rounding is floor(x * inv + f) - 1 from an fma and an add both rounded
+  toward -inf (`fma.rm`, `add.rm` as inline PTX: the add's low mantissa bits are the code), and
+  codes become floats again by the 1.5*2^23 trick: no float<->int conversion instructions. Under
+  the interpreter (no inline PTX) the same integer comes from a round-to-nearest fma, a floor and
+  the sign of a second fma;
 - one 32-bit hash gives the random offsets of two elements (16 bits each).
 """
 import triton
@@ -59,14 +61,36 @@ def rounding_offsets(e0, k1, k2, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows(x, f, QMAX: tl.constexpr):
+def _fma_rm(x, y, z):
+    """fl_down(x * y + z), one rounding toward -inf (PTX fma.rm.f32)."""
+    return tl.inline_asm_elementwise("fma.rm.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, y, z], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _code_rm(v, QMAX: tl.constexpr):
+    """floor(v) + QMAX for v in [0, 2^22): the bits of fl_down(v + 1.5 * 2^23 + QMAX) minus those of 1.5 * 2^23."""
+    if QMAX == 7:
+        w = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400007;", "=f,f", [v], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        tl.static_assert(QMAX == 127, "4- or 8-bit codes")
+        w = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B40007F;", "=f,f", [v], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    return w.to(tl.int32, bitcast=True) - _MAGIC_BITS
+
+
+@triton.jit
+def quantize_rows(x, f, QMAX: tl.constexpr, HW: tl.constexpr):
     """Symmetric stochastic int quantization of each row (one group) of x [R, G] with offsets f = 1 + u.
 
     Returns (codes int32 = q + QMAX + 1 in [1, 2 QMAX + 1], fp32 scale per row). A group holding
     Inf/NaN gets scale NaN and codes of q = 0 (dequantizes to NaN: the non-finite check fires).
-    q = floor(x * inv + f) - 1 exactly: v = fma(x, inv, f) rounds once, so floor(v) is the exact
-    floor unless v rounded up onto an integer, which the exact sign of fma(x, inv, f - floor(v))
-    (f - floor(v) is exact: a multiple of 2^-17 below 2^4) reveals."""
+    q = floor(x * inv + f) - 1 exactly. HW (compiled for the GPU): an fma and an add rounded toward
+    -inf (rounding down never crosses the floor). Else (the interpreter has no inline PTX): v =
+    fma(x, inv, f) rounds once, so floor(v) is the exact floor unless v rounded up onto an integer,
+    which the exact sign of fma(x, inv, f - floor(v)) reveals (f - floor(v) is exact: a multiple of
+    2^-17 below 2^8)."""
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax_b = tl.max(a, axis=1)
     bad = amax_b >= _INF_BITS
@@ -75,9 +99,12 @@ def quantize_rows(x, f, QMAX: tl.constexpr):
     qmax = amax * 0.0 + QMAX  # as an fp32 tensor (amax is finite)
     scale = tl.where(pos, tl.math.div_rn(amax, qmax), 1.0)
     inv = tl.broadcast_to(tl.where(pos, tl.math.div_rn(qmax, amax), 0.0)[:, None], x.shape)
-    fl = tl.floor(tl.fma(x, inv, f))
-    below = tl.fma(x, inv, f - fl) < 0.0
-    c = (fl + _MAGIC).to(tl.int32, bitcast=True) - (_MAGIC_BITS - QMAX) - below.to(tl.int32)
+    if HW:
+        c = _code_rm(_fma_rm(x, inv, f), QMAX)
+    else:
+        fl = tl.floor(tl.fma(x, inv, f))
+        below = tl.fma(x, inv, f - fl) < 0.0
+        c = (fl + _MAGIC).to(tl.int32, bitcast=True) - (_MAGIC_BITS - QMAX) - below.to(tl.int32)
     c = tl.where(bad[:, None], QMAX + 1, c)
     return c, tl.where(bad, float("nan"), scale)
 
@@ -218,7 +245,7 @@ def _f32(msg_ptr):
 @triton.jit
 def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len, ndest, msg_bytes, k1, k2,
                               BITS: tl.constexpr, G: tl.constexpr, R: tl.constexpr, HADAMARD: tl.constexpr,
-                              PACK: tl.constexpr):
+                              PACK: tl.constexpr, HW: tl.constexpr):
     """Partition-ordered (optionally Hadamard-transformed) quantize + pack of one bucket slice.
     Grid (tiles of R groups per slice, nblocks, ndest): tile t of block b for destination d."""
     t = tl.program_id(0)
@@ -234,7 +261,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
     if HADAMARD:
         x = hadamard_tile(x, R, G)
     r = rounding_offsets(d * n + pos0, k1, k2, R, G)  # stream index: position in partition order
-    c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1)
+    c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1, HW)
     msg = out_ptr + d.to(tl.int64) * msg_bytes
     store_codes(c, msg, pos0 * BITS // 8, rmask, R, G, BITS, PACK)
     tl.store(_f32(msg + (n // 8) * BITS) + pos0 // G, scale, mask=rmask)
@@ -243,7 +270,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
 @triton.jit
 def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k2, BITS_IN: tl.constexpr,
                              G_IN: tl.constexpr, BITS_OUT: tl.constexpr, G_OUT: tl.constexpr, R: tl.constexpr,
-                             PACK: tl.constexpr):
+                             PACK: tl.constexpr, HW: tl.constexpr):
     """Sum of nsrc dequantized messages of n elements (fp32, in source order) -> requantized into
     n / m messages of m elements. Grid (tiles of R output groups per destination, destinations)."""
     t = tl.program_id(0)
@@ -258,7 +285,7 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
         in_ptr += msg_in
         acc = acc + load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS_IN), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     r = rounding_offsets(e0, k1, k2, R, G_OUT)
-    c, scale = quantize_rows(acc, r, (1 << (BITS_OUT - 1)) - 1)
+    c, scale = quantize_rows(acc, r, (1 << (BITS_OUT - 1)) - 1, HW)
     msg = out_ptr + d.to(tl.int64) * msg_out
     store_codes(c, msg, pos0 * BITS_OUT // 8, rmask, R, G_OUT, BITS_OUT, PACK)
     tl.store(_f32(msg + (m // 8) * BITS_OUT) + pos0 // G_OUT, scale, mask=rmask)
@@ -266,7 +293,7 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
 
 @triton.jit
 def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-                         HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, HW_BF16: tl.constexpr, PACK: tl.constexpr):
+                         HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
     """out = (inverse-Hadamard of) the fp32 sum of nsrc dequantized messages, times `scale`."""
     t = tl.program_id(0)
     rows = t * R + tl.arange(0, R)
@@ -280,13 +307,13 @@ def reduce_decode_kernel(in_ptr, out_ptr, nsrc, n, msg, scale, BITS: tl.constexp
         acc = hadamard_tile(acc, R, G)
     y = acc * scale
     if OUT_BF16:
-        y = round_bf16(y, HW_BF16)
+        y = round_bf16(y, HW)
     tl.store(out_ptr + e0[:, None] + tl.arange(0, G)[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
 def encode_delta_kernel(master_ptr, w_ptr, out_ptr, n_groups, k1, k2, BITS: tl.constexpr, G: tl.constexpr,
-                        R: tl.constexpr, DIRECT: tl.constexpr, W_BF16: tl.constexpr, HW_BF16: tl.constexpr,
+                        R: tl.constexpr, DIRECT: tl.constexpr, W_BF16: tl.constexpr, HW: tl.constexpr,
                         PACK: tl.constexpr):
     """qWD: quantize + pack (weight-dtype(master) - w), or weight-dtype(master) itself (DIRECT)."""
     t = tl.program_id(0)
@@ -296,18 +323,18 @@ def encode_delta_kernel(master_ptr, w_ptr, out_ptr, n_groups, k1, k2, BITS: tl.c
     e = e0[:, None] + tl.arange(0, G)[None, :]
     x = tl.load(master_ptr + e, mask=rmask[:, None], other=0.0)
     if W_BF16:
-        x = round_bf16(x, HW_BF16)
+        x = round_bf16(x, HW)
     if not DIRECT:
         x = x - tl.load(w_ptr + e, mask=rmask[:, None], other=0.0).to(tl.float32)
     r = rounding_offsets(e0, k1, k2, R, G)
-    c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1)
+    c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1, HW)
     store_codes(c, out_ptr, e0 * BITS // 8, rmask, R, G, BITS, PACK)
     tl.store(_f32(out_ptr + n_groups * (G * BITS // 8)) + rows, scale, mask=rmask)
 
 
 @triton.jit
 def apply_delta_kernel(in_ptr, w_ptr, n, msg, BITS: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-                       DIRECT: tl.constexpr, W_BF16: tl.constexpr, HW_BF16: tl.constexpr, PACK: tl.constexpr):
+                       DIRECT: tl.constexpr, W_BF16: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
     """qWD: w[s*n + i] += dequant(message s)[i] (rounded to the weight dtype), or = it (DIRECT).
     Grid (tiles of R groups, sources): the packed deltas are read once."""
     t = tl.program_id(0)
@@ -323,5 +350,5 @@ def apply_delta_kernel(in_ptr, w_ptr, n, msg, BITS: tl.constexpr, G: tl.constexp
     else:
         w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32) + delta
     if W_BF16:
-        w = round_bf16(w, HW_BF16)
+        w = round_bf16(w, HW)
     tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=rmask[:, None])
