@@ -260,7 +260,7 @@ def encode_partitioned_kernel(src_ptr, out_ptr, shard_size, slice_off, slice_len
                 other=0.0).to(tl.float32)
     if HADAMARD:
         x = hadamard_tile(x, R, G)
-    r = rounding_offsets(d * n + pos0, k1, k2, R, G)  # stream index: position in partition order
+    r = rounding_offsets(d.to(tl.int64) * n + pos0, k1, k2, R, G)  # stream index: position in partition order
     c, scale = quantize_rows(x, r, (1 << (BITS - 1)) - 1, HW)
     msg = out_ptr + d.to(tl.int64) * msg_bytes
     store_codes(c, msg, pos0 * BITS // 8, rmask, R, G, BITS, PACK)
@@ -278,7 +278,7 @@ def reduce_requantize_kernel(in_ptr, out_ptr, nsrc, n, m, msg_in, msg_out, k1, k
     rows = t * R + tl.arange(0, R)
     rmask = rows < m // G_OUT
     pos0 = rows.to(tl.int64) * G_OUT  # within destination d's message
-    e0 = d * m + pos0  # within the summed n elements (also the stream index)
+    e0 = d.to(tl.int64) * m + pos0  # within the summed n elements (also the stream index; int64: n may pass 2^31)
     # fp32 sum in source order; the reference's 0 + first term equals the first term (never -0)
     acc = load_dequant(in_ptr, _f32(in_ptr + (n // 8) * BITS_IN), e0, rmask, R, G_OUT, BITS_IN, G_IN, PACK)
     for _ in range(nsrc - 1):  # the pointer advances one message per source (64-bit pointer arithmetic)
