@@ -20,8 +20,8 @@
 // in form only: the max / nonzero-min reductions run in another order (exact operations) and the
 // fast form negates where the reference multiplies by sign(x) (same clamped value: see quant), and
 // sqrt(v) / bc2 is a multiplication by the rounded reciprocal plus Markstein's fma correction, which
-// gives the correctly rounded quotient (the division's bits). Build WITHOUT --use_fast_math (it would swap them for the approximate intrinsics and flush
-// denormals).
+// gives the correctly rounded quotient (the division's bits). Build WITHOUT --use_fast_math (it would
+// swap them for the approximate intrinsics and flush denormals).
 //
 // The skip flag, the clip factor and the step count are read from device memory: the host never
 // waits. A skipped step (found_inf != 0) returns before touching anything.

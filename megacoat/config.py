@@ -376,6 +376,12 @@ def resolve_model_defaults(m: ModelConfig) -> None:
         m.max_position_embeddings = m.seq_length
 
 
+def round_to_fp32(x: float) -> float:
+    """A Python float rounded to the nearest fp32 value (struct: no tensor, so nothing for a tracer to see):
+    the number fp32 kernels and their references compute with."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     """Check everything that can be checked before allocating; raise ConfigError naming the flags."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
@@ -428,7 +434,7 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
     for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
         # The optimizers compute in fp32: a beta that rounds to 1 there zeroes a bias correction.
-        if not 0.0 <= struct.unpack("f", struct.pack("f", beta))[0] < 1.0:
+        if not 0.0 <= round_to_fp32(beta) < 1.0:
             errors.append(f"{flag} {beta} must be >= 0 and < 1 in fp32.")
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:

@@ -35,6 +35,7 @@ from typing import Tuple
 
 import torch
 
+from ..config import round_to_fp32
 from ..kernels import sdp4bit as _kernels
 
 M32 = 0xFFFFFFFF
@@ -268,7 +269,7 @@ def apply_delta_reference(msgs: torch.Tensor, weights: torch.Tensor, bits: int, 
 
 def as_fp32(x: float) -> float:
     """A Python float rounded to fp32, so torch and Triton multiply by the same number."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    return round_to_fp32(x)
 
 
 # --------------------------------------------------------------------------------- dispatch

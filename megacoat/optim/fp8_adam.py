@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from ..config import round_to_fp32
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -72,8 +73,8 @@ def exp2_32(x: torch.Tensor) -> torch.Tensor:
 # LOG2_SEGMENTS segments (top 10 mantissa bits), interpolation error <= 1.8e-7 (below the fp32 rounding of
 # log2 results beyond |2|, as log2f's own). The table is data: the kernel receives this very tensor, so both
 # compute the same bits.
-LOG2_SEGMENTS = 1024
-_SEGMENT_BITS = 10  # log2(LOG2_SEGMENTS): the mantissa's top bits index the segment, the low 13 place x in it
+_SEGMENT_BITS = 10  # the mantissa's top 10 bits index the segment, the low 13 place x in it
+LOG2_SEGMENTS = 1 << _SEGMENT_BITS
 _LOG2_TABLES: Dict[str, torch.Tensor] = {}
 
 
@@ -237,19 +238,14 @@ class AdamHyper:
     def __post_init__(self):
         # Computed once here, as Python floats: under torch.compile a host tensor made inside the
         # traced step broke the graph (and compiled a CPU kernel).
-        b1, b2 = _f32(self.beta1), _f32(self.beta2)
-        self._scalars = {"b1": b1, "ob1": _f32(1.0 - b1), "b2": b2, "ob2": _f32(1.0 - b2),
-                         "eps": _f32(self.eps), "wd": _f32(self.weight_decay)}
+        b1, b2 = round_to_fp32(self.beta1), round_to_fp32(self.beta2)
+        self._scalars = {"b1": b1, "ob1": round_to_fp32(1.0 - b1), "b2": b2, "ob2": round_to_fp32(1.0 - b2),
+                         "eps": round_to_fp32(self.eps), "wd": round_to_fp32(self.weight_decay)}
 
     def scalars(self) -> Dict[str, float]:
         """The constants as the fp32 values the reference and the kernel both use; 1 - beta is
         computed in fp32 from the fp32 beta, as COAT's kernel does (needed to reproduce it)."""
         return self._scalars
-
-
-def _f32(x: float) -> float:
-    """x rounded to fp32 (struct: no tensor, so nothing for a tracer to see)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def bias_corrections(step: torch.Tensor, hp: AdamHyper):
@@ -447,14 +443,13 @@ class PrecisionAwareAdamW:
         m, v = self.m, self.v
         empty = torch.empty(0, dtype=torch.float32, device=self.master.device)
         opt = [t if t is not None else empty for t in (m.s, m.k, m.c, v.s, v.k, v.c)]
-        extra = {"variant": self.variant} if self.variant else {}
         self.ext.adamw_step(
             self.master, chunk_table(self.chunks, self.master.device),
             int(self.chunks[0].grad.dtype == torch.bfloat16), self.group_decay,
             m.data, opt[0], opt[1], opt[2], v.data, opt[3], opt[4], opt[5],
             _format_code(m), self.step_count, found_inf, coeff,
             float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY,
-            log2_table(self.master.device), **extra)
+            log2_table(self.master.device), self.variant)
 
     def _device_reference(self, lr, coeff, found_inf) -> None:
         """GPU without the kernel: the reference on copies, kept only when the step is not skipped

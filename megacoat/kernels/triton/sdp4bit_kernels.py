@@ -69,7 +69,8 @@ def _fma_rm(x, y, z):
 
 @triton.jit
 def _code_rm(v, QMAX: tl.constexpr):
-    """floor(v) + QMAX for v in [0, 2^22): the bits of fl_down(v + 1.5 * 2^23 + QMAX) minus those of 1.5 * 2^23."""
+    """floor(v) + QMAX for v in (-2^22, 2^22): the bits of fl_down(v + 1.5 * 2^23 + QMAX) minus those of 1.5 * 2^23
+    (the sum stays in [2^23, 2^24), where the fp32 spacing is 1)."""
     if QMAX == 7:
         w = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400007;", "=f,f", [v], dtype=tl.float32,
                                       is_pure=True, pack=1)
