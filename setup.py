@@ -28,7 +28,9 @@ def _cpp_extensions():
 # CUDA C++ kernels of csrc/ (sm_90), built without --use_fast_math where they must match their torch
 # references bit for bit. Without a build they are compiled on first use (megacoat.kernels.cuda_ext).
 CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"],
-                   "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu"]}
+                   "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu"],
+                   "megacoat._fp8_wgrad": ["csrc/fp8_wgrad.cu"]}
+CUDA_LIBRARIES = {"megacoat._fp8_wgrad": ["cublasLt"]}
 CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
 
 
@@ -45,7 +47,8 @@ def _cuda_extensions():
         return [], None
     if torch.version.cuda is None or CUDA_HOME is None:
         return [], None
-    exts = [CUDAExtension(name, srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": CUDA_FLAGS})
+    exts = [CUDAExtension(name, srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": CUDA_FLAGS},
+                          libraries=CUDA_LIBRARIES.get(name, []))
             for name, srcs in CUDA_EXTENSIONS.items() if all(os.path.exists(x) for x in srcs)]
     return exts, BuildExtension
 

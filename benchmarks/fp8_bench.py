@@ -1,7 +1,7 @@
 """COAT part 1 evidence on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
 one transformer layer per recipe.
 
-    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer]
+    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad]
                                    [--no-sweep] [--no-compile] [--budget-s 160] [--sweep-budget-s 300]
     python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 
@@ -455,6 +455,51 @@ def part_linear(args):
     return out
 
 
+def part_wgrad(args):
+    """The weight-gradient GEMM into the fp32 gradient buffer, per linear of the 1.36B and 7B layers: the
+    step's first micro-batch (overwrite: `_scaled_mm(out=)` vs the cuBLASLt extension with beta = 0) and
+    the later ones (accumulate: `_scaled_mm` into a temporary + add, as before the extension, vs the
+    extension with beta = 1). CUDA-graph replays, L2 flushed."""
+    from megacoat.kernels.fp8_wgrad import cuda_extension, fp8_wgrad_gemm
+    shapes = {"1.36B": dict(tokens=8192, h=2048, ffn=5632), "7B": dict(tokens=4096, h=4096, ffn=11008)}
+    if SMOKE:
+        shapes = {"1.36B": dict(tokens=64, h=64, ffn=176)}
+    have_ext = DEV == "cuda" and cuda_extension() is not None
+    out = {"extension_built": have_ext}
+    for name, s in shapes.items():
+        t, h, f = s["tokens"], s["h"], s["ffn"]
+        res = {}
+        for lname, (kin, kout) in {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 2 * f), "fc2": (f, h)}.items():
+            qgt, _, sg = fp8.quantize_tensorwise(torch.randn(kout, t, device=DEV, dtype=torch.bfloat16), "e5m2")
+            qxt, _, sx = fp8.quantize_tensorwise(torch.randn(kin, t, device=DEV, dtype=torch.bfloat16), "e4m3")
+            mg = torch.zeros(kout, kin, device=DEV)
+            flops = 2.0 * t * kin * kout
+            row = {}
+
+            def old_first():
+                torch._scaled_mm(qgt, qxt.t(), scale_a=sg, scale_b=sx, out_dtype=torch.float32, out=mg)
+
+            def old_accumulate():
+                mg.add_(torch._scaled_mm(qgt, qxt.t(), scale_a=sg, scale_b=sx, out_dtype=torch.float32))
+
+            runs = {} if SMOKE else {"scaled_mm_out_first": old_first, "scaled_mm_tmp_add_accumulate": old_accumulate}
+            if have_ext:
+                runs["ext_first"] = lambda: fp8_wgrad_gemm(mg, qgt, sg, qxt, sx, False)
+                runs["ext_accumulate"] = lambda: fp8_wgrad_gemm(mg, qgt, sg, qxt, sx, True)
+            for rname, fn in runs.items():
+                us = bench_us(fn)
+                row[rname] = dict(time_us=round(us, 1), tflops=round(flops / us / 1e6, 1))
+            if "ext_accumulate" in row and "scaled_mm_tmp_add_accumulate" in row:
+                row["accumulate_saving_us"] = round(row["scaled_mm_tmp_add_accumulate"]["time_us"]
+                                                    - row["ext_accumulate"]["time_us"], 1)
+            print(f"  {name} {lname} [{kout}x{kin}]x{t}: " + ", ".join(
+                f"{k} {v['time_us']:.0f} us ({v['tflops']:.0f} TF/s)" for k, v in row.items() if isinstance(v, dict)),
+                flush=True)
+            res[lname] = row
+        out[name] = res
+    return out
+
+
 def _host_ms(fn, n=20) -> float:
     fn()
     _sync()
@@ -584,6 +629,8 @@ def main():
                 r = part_saved(args)
             elif part == "linear":
                 r = part_linear(args)
+            elif part == "wgrad":
+                r = part_wgrad(args)
             elif part == "layer":
                 r = part_layer(args, start + args.budget_s)
             else:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU evidence on one H200, in stages (STAGES=a,b,...), within a time budget (BUDGET seconds):
-#   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode; in parallel) once, before anything uses them
+#   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode, FP8 wgrad; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON; FP8_ARGS, OPT_ARGS)
@@ -53,8 +53,10 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid=$!
+  MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.fp8_wgrad import cuda_extension as f; print('fp8 wgrad extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
+  pid2=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
-  wait $pid
+  wait $pid $pid2
   tar -C "$HERE" -czf "$OUT/ext.tgz" .ext   # one file (few files come back): unpack as .ext, the next call skips the build
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
@@ -118,12 +120,14 @@ if has eager; then
   mc b1_eager 15 $M1 --no-torch-compile
   peer p1_eager --iters 8 --warmup 4
 fi
-c1() { [[ " ${C1_RUNS:-bf16 tensorwise coat coat_gbs32 torchao coat_fp8states} " == *" $1 "* ]]; }
+c1() { [[ " ${C1_RUNS:-bf16 tensorwise coat bf16_gbs32 tensorwise_gbs32 coat_gbs32 torchao coat_fp8states} " == *" $1 "* ]]; }
 if has coat1; then
   c1 bf16 && mc c1_bf16 20 $M1
   c1 tensorwise && mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
   c1 coat_fp8states && mc c1_coat_fp8states 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  c1 bf16_gbs32 && mc c1_bf16_gbs32 8 $M1 --global-batch-size 32
+  c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
   c1 coat_gbs32 && mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
   c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
 fi

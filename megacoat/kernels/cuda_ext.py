@@ -30,12 +30,14 @@ def precise_flags():
 
 
 @lru_cache(maxsize=None)
-def load_extension(name: str, sources: Sequence[str], precise: bool = False) -> Optional[object]:
+def load_extension(name: str, sources: Sequence[str], precise: bool = False,
+                   libraries: Sequence[str] = ()) -> Optional[object]:
     """The compiled module `megacoat._<name>`, or None (after one warning) if it cannot be had.
 
     `sources` are file names inside csrc/. Set MEGACOAT_NO_CUDA_EXT=1 to force the references.
     `precise`: build without --use_fast_math (IEEE division/sqrt, accurate powf, denormals kept),
-    for kernels that must agree bit for bit with their torch reference.
+    for kernels that must agree bit for bit with their torch reference. `libraries`: CUDA libraries to link
+    (e.g. "cublasLt"), found in the toolkit's lib64.
     """
     if os.environ.get("MEGACOAT_NO_CUDA_EXT") == "1" or not cuda_available():
         return None
@@ -52,7 +54,8 @@ def load_extension(name: str, sources: Sequence[str], precise: bool = False) -> 
     try:
         from torch.utils.cpp_extension import load
         return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=precise_flags() if precise else NVCC_FLAGS,
-                    extra_cflags=["-O3"], verbose=os.environ.get("MEGACOAT_VERBOSE_BUILD") == "1")
+                    extra_cflags=["-O3"], extra_ldflags=[f"-l{lib}" for lib in libraries],
+                    verbose=os.environ.get("MEGACOAT_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 - a failed build must leave the reference running
         warnings.warn(f"megacoat: building CUDA kernel '{name}' failed ({type(e).__name__}: {str(e)[-500:]}); using "
                       "the PyTorch reference (slower). Set MEGACOAT_VERBOSE_BUILD=1 to see the compiler output.",

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.fp8_wgrad import fp8_wgrad_gemm
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
@@ -89,21 +90,23 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
                overwrite: torch.Tensor, hw: bool) -> None:
     """main_grad (+)= (gqt * sg) @ (xqt * sx)^T in fp32. The one-element CPU flag `overwrite` (the
     optimizer's: this is the step's first gradient) makes the GEMM write main_grad straight from its
-    epilogue (`_scaled_mm(out=)`: no temporary, no stale read); later micro-batches add. Clears the flag.
-    A custom op: compiled backward graphs keep it whole and do not trace the flag's host read."""
+    epilogue (no temporary, no stale read); later micro-batches add in the epilogue too (cuBLASLt with
+    beta = 1, `kernels/fp8_wgrad.py`), or through a temporary and an add where that extension is missing.
+    Clears the flag. A custom op: compiled backward graphs keep it whole and do not trace the flag's host read."""
     first = bool(overwrite.item())  # CPU tensor: no device sync
     require_main_grad_storage(main_grad)
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
     written = False
-    if (first and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw)
-            and scaled_mm_writes_out(gqt.device)):
-        try:
-            torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
-                             out_dtype=torch.float32, out=mg)
-            written = True
-        except (TypeError, RuntimeError):  # a torch without the out= variant: temporary + copy below
-            written = False
+    if hw and main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
+        written = fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first)
+        if not written and first and main_grad.is_contiguous() and scaled_mm_writes_out(gqt.device):
+            try:
+                torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
+                                 out_dtype=torch.float32, out=mg)
+                written = True
+            except (TypeError, RuntimeError):  # a torch without the out= variant: temporary + copy below
+                written = False
     if not written:
         dw = fp8_gemm(gqt, sg, xqt, sx, torch.float32, hw=hw)
         if first:

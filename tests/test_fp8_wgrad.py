@@ -1,0 +1,139 @@
+"""The FP8 weight-gradient GEMM that adds into the fp32 gradient buffer (kernels/fp8_wgrad.py).
+
+CPU: the reference against a float64 product of the same codes, and the dispatch (the extension is
+never tried off-GPU; the FP8 linear's fallback then runs). GPU (marked): the cuBLASLt extension against
+the reference, overwrite and accumulate, e4m3 x e5m2 and e4m3 x e4m3, several shapes; and the FP8
+linear's wgrad op over three micro-batches. The extension accumulates in fp32 on the tensor cores
+with fp32 promotion (no fast accumulation), the reference in fp32 in another order: they agree to a
+small multiple of fp32 rounding of sum |a||b|, while a wrong scale, layout or beta is off by ~100%.
+"""
+import pytest
+import torch
+
+from megacoat.kernels import fp8_wgrad as W
+from megacoat.precision import fp8
+from megacoat.precision.linear import _fp8_wgrad_impl
+
+
+def _codes(shape, fmt, seed, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3.0
+    x.view(-1)[::53] *= 40.0  # outliers
+    q, _, s = fp8.quantize_tensorwise(x.to(torch.bfloat16), fmt)
+    return q.to(device), s.to(device)
+
+
+def _exact(out0, gqt, sg, xqt, sx, accumulate):
+    prod = (gqt.double() * sg.double()) @ (xqt.double() * sx.double()).t()
+    return (out0.double() + prod) if accumulate else prod
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("shape", [(16, 32, 48), (40, 24, 8), (3, 5, 7)])
+def test_reference_matches_float64(accumulate, shape):
+    n, k, t = shape
+    gqt, sg = _codes((n, t), "e5m2", 1)
+    xqt, sx = _codes((k, t), "e4m3", 2)
+    out = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    expect = _exact(out, gqt, sg, xqt, sx, accumulate)
+    W.fp8_wgrad_reference(out, gqt, sg, xqt, sx, accumulate)
+    scale = ((gqt.double().abs() * sg.double()) @ (xqt.double().abs() * sx.double()).t()).max()
+    assert (out.double() - expect).abs().max() <= 1e-6 * float(scale) + 1e-6
+
+
+def test_extension_never_runs_off_gpu():
+    gqt, sg = _codes((16, 32), "e5m2", 4)
+    xqt, sx = _codes((16, 32), "e4m3", 5)
+    out = torch.full((16, 16), 7.0)
+    assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True) is False
+    assert torch.equal(out, torch.full((16, 16), 7.0))  # nothing written
+
+
+def test_extension_fits_rejects_what_cublaslt_cannot_take():
+    f32 = torch.empty(16, 32)
+    a8 = torch.empty(16, 48, dtype=torch.float8_e4m3fn)
+    b8 = torch.empty(32, 48, dtype=torch.float8_e4m3fn)
+    assert not W.extension_fits(f32, a8, b8)  # CPU
+    assert not W.extension_fits(f32.bfloat16(), a8, b8)
+
+
+def test_fp8_wgrad_op_cpu_overwrites_then_adds():
+    """The op's fallback path (no FP8 GEMM hardware): first micro-batch overwrites stale values, later add."""
+    n, k, t = 32, 16, 48
+    mg = torch.full((n, k), float("nan"))
+    flag = torch.ones(1, dtype=torch.bool)
+    expect = torch.zeros(n, k, dtype=torch.float64)
+    for seed in range(3):
+        gqt, sg = _codes((n, t), "e5m2", 10 + seed)
+        xqt, sx = _codes((k, t), "e4m3", 20 + seed)
+        _fp8_wgrad_impl(mg, gqt, sg, xqt, sx, flag, hw=False)
+        expect = _exact(expect, gqt, sg, xqt, sx, True)
+        assert not flag.item()
+    assert torch.allclose(mg.double(), expect, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+
+
+def _need_extension():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if W.cuda_extension() is None:
+        pytest.fail("the fp8_wgrad CUDA extension did not build on this GPU machine")
+
+
+def _assert_close_to(out, expect, gqt, sg, xqt, sx, what):
+    scale = ((gqt.double().abs() * sg.double()) @ (xqt.double().abs() * sx.double()).t()).max()
+    err = (out.double() - expect).abs()
+    i = int(err.argmax())
+    assert float(err.max()) <= 1e-5 * float(scale) + 1e-6, (
+        f"{what}: largest error {float(err.max()):.3e} at {divmod(i, out.shape[1])}: got "
+        f"{float(out.reshape(-1)[i]):.6e}, expected {float(expect.reshape(-1)[i]):.6e} (scale {float(scale):.3e})")
+
+
+@gpu
+@pytest.mark.parametrize("gfmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("shape", [(16, 16, 16), (48, 80, 112), (256, 1024, 2048), (5632, 2048, 64)])
+def test_extension_matches_reference_on_gpu(gfmt, shape):
+    _need_extension()
+    n, k, t = shape
+    gqt, sg = _codes((n, t), gfmt, 30, "cuda")
+    xqt, sx = _codes((k, t), "e4m3", 31, "cuda")
+    start = torch.randn(n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(32))
+    for accumulate in (False, True):
+        out = start.clone() if accumulate else torch.full_like(start, float("nan"))
+        assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate)
+        torch.cuda.synchronize()
+        _assert_close_to(out, _exact(start, gqt, sg, xqt, sx, accumulate), gqt, sg, xqt, sx,
+                         f"{shape} {gfmt} accumulate={accumulate}")
+
+
+@gpu
+def test_extension_declines_unaligned_and_e5m2_pairs():
+    _need_extension()
+    gqt, sg = _codes((32, 64), "e5m2", 40, "cuda")
+    xqt, sx = _codes((32, 64), "e5m2", 41, "cuda")
+    out = torch.zeros(32, 32, device="cuda")
+    assert not W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, True)  # e5m2 x e5m2
+    xqt4, sx4 = _codes((32, 80), "e4m3", 42, "cuda")
+    assert not W.fp8_wgrad_gemm(out, gqt[:, :48].contiguous()[:, 1:33], sg, xqt4[:, 1:33], sx4, True)  # strided
+    assert torch.count_nonzero(out) == 0
+
+
+@gpu
+def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu():
+    """Three micro-batches through the FP8 linear's wgrad op on the H200 path: stale NaNs overwritten by
+    the first, the others added in the GEMM's epilogue."""
+    _need_extension()
+    n, k, t = 96, 64, 128
+    mg = torch.full((n * k,), float("nan"), device="cuda")  # a flat bucket view, as the optimizer's
+    flag = torch.ones(1, dtype=torch.bool)
+    expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
+    for seed in range(3):
+        gqt, sg = _codes((n, t), "e5m2", 50 + seed, "cuda")
+        xqt, sx = _codes((k, t), "e4m3", 60 + seed, "cuda")
+        _fp8_wgrad_impl(mg, gqt, sg, xqt, sx, flag, hw=True)
+        expect = _exact(expect, gqt, sg, xqt, sx, True)
+    torch.cuda.synchronize()
+    _assert_close_to(mg.view(n, k), expect, gqt, sg, xqt, sx, "three micro-batches")
