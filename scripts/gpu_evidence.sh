@@ -6,7 +6,7 @@
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON; FP8_ARGS, OPT_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
-#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS); coat7 also
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
 #             expansion (issue 11), final training and validation loss
@@ -122,14 +122,14 @@ if has eager; then
 fi
 c1() { [[ " ${C1_RUNS:-bf16 tensorwise coat bf16_gbs32 tensorwise_gbs32 coat_gbs32 torchao coat_fp8states} " == *" $1 "* ]]; }
 if has coat1; then
-  c1 bf16 && mc c1_bf16 20 $M1
-  c1 tensorwise && mc c1_tensorwise 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
-  c1 coat && mc c1_coat 20 $M1 --fp8-format hybrid --fp8-recipe coat
-  c1 coat_fp8states && mc c1_coat_fp8states 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
-  c1 bf16_gbs32 && mc c1_bf16_gbs32 8 $M1 --global-batch-size 32
-  c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
-  c1 coat_gbs32 && mc c1_coat_gbs32 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
-  c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise --compile --float8 tensorwise --iters 10 --warmup 8
+  c1 bf16 && mc c1_bf16${C1_TAG:-} 20 $M1
+  c1 tensorwise && mc c1_tensorwise${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
+  c1 coat && mc c1_coat${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
+  c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  c1 bf16_gbs32 && mc c1_bf16_gbs32${C1_TAG:-} 8 $M1 --global-batch-size 32
+  c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32${C1_TAG:-} 8 $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
+  c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
+  c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise${C1_TAG:-} --compile --float8 tensorwise --iters 10 --warmup 8
 fi
 if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, fp8states, torchao), then larger
   # micro-batches (C7_BF16_MBS / C7_COAT_MBS, default C7_MBS=4) to find the largest each fits
