@@ -5,6 +5,7 @@
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   fp8bench / sdpbench / optbench   the COAT FP8, SDP4Bit and FP8-optimizer kernel benchmarks (JSON; FP8_ARGS, OPT_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
+#   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
@@ -168,6 +169,15 @@ if has profile_fp8 && ! late profile_fp8; then echo "== profile 1.36B compiled F
   timeout 150 python3 benchmarks/profile_step.py $C $M1 --fp8-format hybrid --fp8-recipe ${PROFILE_RECIPE:-tensorwise} --train-iters 20 \
     --log-interval 100 --profile-steps 3 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -40 > $OUT/profile_1b_fp8.txt
   tail -2 $OUT/profile_1b_fp8.txt | tee -a $LOG
+fi
+if has prof; then  # PROF_RUNS (bf16 and/or FP8 recipes) profiled at 1.36B with PROFILE_ARGS (e.g. --global-batch-size 32)
+  for v in ${PROF_RUNS:-bf16 coat}; do
+    late prof_$v && continue; echo "== profile 1.36B $v ${PROFILE_ARGS:-} $(el)" | tee -a $LOG
+    extra=""; [ $v != bf16 ] && extra="--fp8-format hybrid --fp8-recipe $v"
+    timeout 150 python3 benchmarks/profile_step.py $C $M1 $extra ${PROFILE_ARGS:-} --train-iters 20 --log-interval 100 \
+      --profile-steps ${PROFILE_STEPS:-3} 2>&1 | grep -v '^  [a-z_0-9]* \.\.' | tail -80 > $OUT/prof_$v${C1_TAG:-}.txt
+    grep -A3 "^per step" $OUT/prof_$v${C1_TAG:-}.txt | tee -a $LOG
+  done
 fi
 if has before && ! late before && [ -d "$HERE/.before" ]; then echo "== BEFORE (previous commit) memory breakdown 7B $(el)" | tee -a $LOG
   cp benchmarks/memory_peak.py "$HERE/.before/benchmarks/"; cd "$HERE/.before"; export PYTHONPATH=$PWD
