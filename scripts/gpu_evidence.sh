@@ -127,9 +127,9 @@ if has coat1; then
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
-  c1 bf16_gbs32 && mc c1_bf16_gbs32${C1_TAG:-} 8 $M1 --global-batch-size 32
-  c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32${C1_TAG:-} 8 $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
-  c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} 8 $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
+  c1 bf16_gbs32 && mc c1_bf16_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --global-batch-size 32
+  c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
+  c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
   c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise${C1_TAG:-} --compile --float8 tensorwise --iters 10 --warmup 8
 fi
 if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, fp8states, torchao), then larger
