@@ -57,6 +57,28 @@ def test_extension_fits_rejects_what_cublaslt_cannot_take():
     assert not W.extension_fits(f32.bfloat16(), a8, b8)
 
 
+def test_extension_failure_falls_back_for_the_rest_of_the_run(monkeypatch):
+    """cuBLASLt refusing a problem (no algorithm) must not fail training: one warning, then the fallback."""
+    calls = []
+
+    class Refusing:
+        @staticmethod
+        def fp8_wgrad(*args):
+            calls.append(1)
+            raise RuntimeError("megacoat fp8_wgrad: cuBLASLt has no FP8 GEMM ...")
+
+    monkeypatch.setattr(W, "extension_fits", lambda *a: True)
+    monkeypatch.setattr(W, "cuda_extension", lambda: Refusing)
+    monkeypatch.setattr(W._Unusable, "reason", None)
+    gqt, sg = _codes((16, 32), "e5m2", 6)
+    xqt, sx = _codes((16, 32), "e4m3", 7)
+    out = torch.zeros(16, 16)
+    with pytest.warns(UserWarning, match="rest of this run"):
+        assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True) is False
+    assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True) is False
+    assert len(calls) == 1 and torch.count_nonzero(out) == 0
+
+
 def test_fp8_wgrad_op_cpu_overwrites_then_adds():
     """The op's fallback path (no FP8 GEMM hardware): first micro-batch overwrites stale values, later add."""
     n, k, t = 32, 16, 48

@@ -10,6 +10,8 @@ The reference (same signature) dequantizes and multiplies in fp32; the FP8 linea
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -40,13 +42,26 @@ def extension_fits(out: torch.Tensor, gqt: torch.Tensor, xqt: torch.Tensor) -> b
     return gqt.data_ptr() % 16 == 0 and xqt.data_ptr() % 16 == 0 and out.data_ptr() % 4 == 0
 
 
+class _Unusable:
+    """Set when cuBLASLt refused a problem (no algorithm for it on this GPU / library): the fallback then
+    runs for the rest of the run instead of failing every backward (found out once per run)."""
+
+    reason = None
+
+
 def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
                    accumulate: bool) -> bool:
     """Runs the extension when it exists and fits; False otherwise (nothing written)."""
-    if not out.is_cuda or not extension_fits(out, gqt, xqt):
+    if _Unusable.reason is not None or not extension_fits(out, gqt, xqt):  # (off-GPU: does not fit)
         return False
     ext = cuda_extension()
     if ext is None:
         return False
-    ext.fp8_wgrad(out, gqt, sg.float().reshape(1), xqt, sx.float().reshape(1), accumulate, False)
+    try:
+        ext.fp8_wgrad(out, gqt, sg.float().reshape(1), xqt, sx.float().reshape(1), accumulate, False)
+    except RuntimeError as e:  # checked before launching: nothing was written
+        _Unusable.reason = str(e)
+        warnings.warn(f"megacoat: the FP8 weight-gradient GEMM extension failed ({str(e)[:300]}); using "
+                      "_scaled_mm and an add for the rest of this run (slower, same result)", stacklevel=2)
+        return False
     return True
