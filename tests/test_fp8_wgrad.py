@@ -7,11 +7,14 @@ linear's wgrad op over three micro-batches. The extension accumulates on the ten
 periodic fp32 promotion (no fast accumulation), the reference in fp32: they agree to a
 fraction (2^-9) of sum |a||b|, while a wrong scale, layout or beta is off by ~100%.
 """
+import warnings
+
 import pytest
 import torch
 
 from megacoat.kernels import fp8_wgrad as W
 from megacoat.precision import fp8
+from megacoat.precision import linear as L
 from megacoat.precision.linear import _fp8_wgrad_impl
 
 
@@ -49,34 +52,84 @@ def test_extension_never_runs_off_gpu():
     assert torch.equal(out, torch.full((16, 16), 7.0))  # nothing written
 
 
-def test_extension_fits_rejects_what_cublaslt_cannot_take():
-    f32 = torch.empty(16, 32)
-    a8 = torch.empty(16, 48, dtype=torch.float8_e4m3fn)
-    b8 = torch.empty(32, 48, dtype=torch.float8_e4m3fn)
-    assert not W.extension_fits(f32, a8, b8)  # CPU
-    assert not W.extension_fits(f32.bfloat16(), a8, b8)
+def _misaligned(shape, dtype):
+    """A contiguous tensor whose data starts 1 byte past a 16-byte boundary."""
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.empty(n + 16, dtype=torch.uint8)[1:n + 1].view(dtype).view(shape)
 
 
-def test_extension_failure_falls_back_for_the_rest_of_the_run(monkeypatch):
-    """cuBLASLt refusing a problem (no algorithm) must not fail training: one warning, then the fallback."""
-    calls = []
+def test_problem_fits_has_the_extensions_rules():
+    """Every problem the C++ side would refuse is declined in Python (the fallback runs, nothing raises)."""
+    out = torch.empty(32, 48)
+    gqt = torch.empty(32, 64, dtype=torch.float8_e5m2)
+    xqt = torch.empty(48, 64, dtype=torch.float8_e4m3fn)
+    one = torch.ones(1)
+    assert W.problem_fits(out, gqt, one, xqt, one)
+    assert not W.extension_fits(out, gqt, one, xqt, one)  # CPU tensors never go to the extension
+    declined = {
+        "e5m2 x e5m2": (out, gqt, one, xqt.view(torch.float8_e5m2), one),
+        "bf16 operand": (out, gqt.view(torch.uint8).bfloat16(), one, xqt, one),
+        "bf16 out": (out.bfloat16(), gqt, one, xqt, one),
+        "N not a multiple of 16": (torch.empty(24, 48), torch.empty(24, 64, dtype=torch.float8_e5m2), one, xqt, one),
+        "T not a multiple of 16": (out, torch.empty(32, 40, dtype=torch.float8_e5m2), one,
+                                   torch.empty(48, 40, dtype=torch.float8_e4m3fn), one),
+        "T = 0": (out, torch.empty(32, 0, dtype=torch.float8_e5m2), one, torch.empty(48, 0, dtype=torch.float8_e4m3fn), one),
+        "shapes disagree": (torch.empty(32, 32), gqt, one, xqt, one),
+        "3-D operand": (out, gqt.view(32, 4, 16), one, xqt, one),
+        "scale of 2 elements": (out, gqt, torch.ones(2), xqt, one),
+        "strided operand": (out, torch.empty(32, 128, dtype=torch.float8_e5m2)[:, :64], one, xqt, one),
+        "operand off 16 bytes": (out, _misaligned((32, 64), torch.float8_e5m2), one, xqt, one),
+    }
+    for what, args in declined.items():
+        assert not W.problem_fits(*args), what
 
-    class Refusing:
-        @staticmethod
-        def fp8_wgrad(*args):
-            calls.append(1)
-            raise RuntimeError("megacoat fp8_wgrad: cuBLASLt has no FP8 GEMM ...")
 
+class _Ext:
+    """A stand-in extension: records calls, raises what it is told to."""
+
+    def __init__(self, error=None):
+        self.calls, self.error = 0, error
+
+    def fp8_wgrad(self, *args):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+
+
+def _patched(monkeypatch, ext):
     monkeypatch.setattr(W, "extension_fits", lambda *a: True)
-    monkeypatch.setattr(W, "cuda_extension", lambda: Refusing)
-    monkeypatch.setattr(W._Unusable, "reason", None)
+    monkeypatch.setattr(W, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(W._Refused, "keys", set())
+
+
+def test_a_refused_problem_falls_back_for_the_rest_of_the_run(monkeypatch):
+    """cuBLASLt refusing one problem (no algorithm) must not fail training, nor turn the extension off for
+    the others: one warning, then that problem alone runs the fallback."""
+    ext = _Ext(RuntimeError("megacoat fp8_wgrad: cuBLASLt has no FP8 GEMM ..."))
+    _patched(monkeypatch, ext)
     gqt, sg = _codes((16, 32), "e5m2", 6)
     xqt, sx = _codes((16, 32), "e4m3", 7)
     out = torch.zeros(16, 16)
     with pytest.warns(UserWarning, match="rest of this run"):
         assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True) is False
     assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True) is False
-    assert len(calls) == 1 and torch.count_nonzero(out) == 0
+    assert ext.calls == 1 and torch.count_nonzero(out) == 0
+    ext.error = None  # another problem (the overwrite of the step's first micro-batch) still uses it
+    assert W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=False) is True
+    assert ext.calls == 2
+
+
+def test_out_of_memory_is_raised_not_remembered(monkeypatch):
+    ext = _Ext(torch.OutOfMemoryError("CUDA out of memory (workspace)"))
+    _patched(monkeypatch, ext)
+    gqt, sg = _codes((16, 32), "e5m2", 8)
+    xqt, sx = _codes((16, 32), "e4m3", 9)
+    out = torch.zeros(16, 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate=True)
+    assert not W._Refused.keys
 
 
 def test_fp8_wgrad_op_cpu_overwrites_then_adds():
@@ -144,23 +197,34 @@ def test_extension_matches_reference_on_gpu(gfmt, shape):
 
 @gpu
 def test_extension_declines_unaligned_and_e5m2_pairs():
+    """Declined in Python (False, no warning: the C++ side is never asked, so nothing is marked refused)."""
     _need_extension()
     gqt, sg = _codes((32, 64), "e5m2", 40, "cuda")
     xqt, sx = _codes((32, 64), "e5m2", 41, "cuda")
     out = torch.zeros(32, 32, device="cuda")
-    assert not W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, True)  # e5m2 x e5m2
-    xqt4, sx4 = _codes((32, 80), "e4m3", 42, "cuda")
-    assert not W.fp8_wgrad_gemm(out, gqt[:, :48].contiguous()[:, 1:33], sg, xqt4[:, 1:33], sx4, True)  # strided
+    xqt4, sx4 = _codes((32, 64), "e4m3", 42, "cuda")
+    off = torch.empty(32 * 64 + 16, dtype=torch.uint8, device="cuda")[1:32 * 64 + 1].view(torch.float8_e4m3fn)
+    off = off.view(32, 64).copy_(xqt4)  # contiguous, 1 byte past a 16-byte boundary
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not W.fp8_wgrad_gemm(out, gqt, sg, xqt, sx, True)  # e5m2 x e5m2
+        assert not W.fp8_wgrad_gemm(out, gqt, sg, off, sx4, True)  # operand 1 byte off 16
     assert torch.count_nonzero(out) == 0
 
 
 @gpu
-def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu():
+@pytest.mark.parametrize("offset", [0, 1])
+def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset, monkeypatch):
     """Three micro-batches through the FP8 linear's wgrad op on the H200 path: stale NaNs overwritten by
-    the first, the others added in the GEMM's epilogue."""
+    the first, the others added in the GEMM's epilogue. offset 1: the gradient view starts 4 bytes past a
+    16-byte boundary, as a bucket view may (then either path may run; the result must be right)."""
     _need_extension()
+    used = []
+    real = L.fp8_wgrad_gemm
+    monkeypatch.setattr(L, "fp8_wgrad_gemm", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
     n, k, t = 96, 64, 128
-    mg = torch.full((n * k,), float("nan"), device="cuda")  # a flat bucket view, as the optimizer's
+    bucket = torch.full((n * k + 4,), float("nan"), device="cuda")
+    mg = bucket[offset:offset + n * k]  # a flat bucket view, as the optimizer's
     flag = torch.ones(1, dtype=torch.bool)
     expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
     bound = torch.zeros_like(expect)
@@ -171,4 +235,7 @@ def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu():
         expect = _exact(expect, gqt, sg, xqt, sx, True)
         bound += _abs_product(gqt, sg, xqt, sx)
     torch.cuda.synchronize()
-    _assert_close_to(mg.view(n, k), expect, bound, "three micro-batches")
+    _assert_close_to(mg.view(n, k), expect, bound, f"three micro-batches, offset {offset}")
+    assert len(used) == 3
+    if offset == 0:
+        assert all(used), f"the extension did not run every micro-batch: {used}"
