@@ -487,6 +487,8 @@ def part_wgrad(args):
                 runs["ext_first"] = lambda: fp8_wgrad_gemm(mg, qgt, sg, qxt, sx, False)
                 runs["ext_accumulate"] = lambda: fp8_wgrad_gemm(mg, qgt, sg, qxt, sx, True)
             for rname, fn in runs.items():
+                if rname.startswith("ext") and fn() is not True:  # declined: timing it would time nothing
+                    raise RuntimeError(f"the FP8 wgrad extension declined {lname} of {name}")
                 us = bench_us(fn)
                 row[rname] = dict(time_us=round(us, 1), tflops=round(flops / us / 1e6, 1))
             if "ext_accumulate" in row and "scaled_mm_tmp_add_accumulate" in row:

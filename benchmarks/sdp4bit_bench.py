@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.comm import codecs as C  # noqa: E402
+from megacoat.config import round_to_fp32  # noqa: E402
 
 HBM_GBS = 4300.0
 SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_encode_hadamard_int8_cuda": 1.30,
@@ -118,7 +119,7 @@ def kernel_cases(n, dev, key):
     m2 = torch.empty(N, C.message_bytes(S, 4, 128), dtype=torch.uint8, device=dev)
     K.reduce_requantize(m1, m2, N * S, 8, 128, 4, 128, N, key)
     out = torch.empty(S, device=dev)
-    scale = C.as_fp32(1 / 128)
+    scale = round_to_fp32(1 / 128)
 
     def enc(src, hadamard, cuda, what):
         """A TLq encode entry: the Triton or CUDA kernel on `src`, its bytes, and its reference check."""

@@ -2,8 +2,9 @@
 //   out[N, K] (+)= (gqt[N, T] * sg) @ (xqt[K, T] * sx)^T
 // torch._scaled_mm can write an fp32 output (`out=`) but cannot add to one, so without this every
 // micro-batch after a step's first paid an fp32 temporary plus an add pass over the weight gradient
-// (16 bytes per weight element: ~5 ms per micro-batch at 1.36B). Megatron + TransformerEngine do the
-// same through TE's GEMM with accumulate=True.
+// (16 bytes per weight element; on the H200 1.8 ms per micro-batch at 1.36B, 11.7 ms at 7B, see
+// benchmarks/results/2026-12-01_s6_h200.md). Megatron + TransformerEngine do the same through TE's
+// GEMM with accumulate=True.
 //
 // Layout: every tensor is row-major. cuBLASLt is column-major and its FP8 GEMMs take only the "TN"
 // form, so the product is written as out^T (column-major [K, N], ld K) = A^T B with A = xqt seen as

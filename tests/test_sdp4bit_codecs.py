@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megacoat.comm import codecs as C
+from megacoat.config import round_to_fp32
 
 
 def _hadamard_matrix64():
@@ -178,7 +179,7 @@ def test_partitioned_encode_decode_matches_float64():
         for d in range(ndest):
             msgs = torch.stack([o[d] for o in outs])
             got = torch.empty(nblocks * sl)
-            scale = C.as_fp32(1 / (4 * (32 if had else 1)))
+            scale = round_to_fp32(1 / (4 * (32 if had else 1)))
             C.reduce_decode_reference(msgs, got, nblocks * sl, 8, G, had, scale)
             want = sum(s.double().view(nblocks, ndest, S)[:, d, off:off + sl].reshape(-1) for s in srcs) / 4
             # bound: 4 sources x half... one quantization step of each (Hadamard spreads it over 32)
@@ -189,6 +190,7 @@ def test_partitioned_encode_decode_matches_float64():
 _INTERPRET_SCRIPT = r"""
 import torch
 from megacoat.comm import codecs as C
+from megacoat.config import round_to_fp32
 from megacoat.kernels import sdp4bit as K
 torch.manual_seed(0)
 checked = 0
@@ -215,8 +217,8 @@ for bits in (4, 8):
                 assert torch.equal(r1, r2), ("requant", bits, bo)
             for dt in (torch.float32, torch.bfloat16):
                 d1 = torch.zeros(n, dtype=dt); d2 = d1.clone()
-                C.reduce_decode_reference(o1, d1, n, bits, G, had, C.as_fp32(1 / 96))
-                K.reduce_decode(o1, d2, n, bits, G, had, C.as_fp32(1 / 96))
+                C.reduce_decode_reference(o1, d1, n, bits, G, had, round_to_fp32(1 / 96))
+                K.reduce_decode(o1, d2, n, bits, G, had, round_to_fp32(1 / 96))
                 assert torch.equal(d1, d2), ("decode", bits, had, dt)
             checked += 1
     for direct in (False, True):
@@ -270,8 +272,8 @@ def test_kernels_bit_exact_on_gpu(bits, had):
     for dt in (torch.float32, torch.bfloat16):  # bf16: the GPU's cvt.rn path of the kernels
         d1 = torch.empty(sl, device=dev, dtype=dt)
         d2 = torch.empty_like(d1)
-        C.reduce_decode_reference(r1, d1, sl, 4, 128, had, C.as_fp32(1 / 128))
-        K.reduce_decode(r1, d2, sl, 4, 128, had, C.as_fp32(1 / 128))
+        C.reduce_decode_reference(r1, d1, sl, 4, 128, had, round_to_fp32(1 / 128))
+        K.reduce_decode(r1, d2, sl, 4, 128, had, round_to_fp32(1 / 128))
         assert torch.equal(d1, d2)
     b1 = torch.empty_like(o1)  # bf16 bucket: 4-bit codes as int32 words of 8 elements
     b2 = torch.empty_like(o1)

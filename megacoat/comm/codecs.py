@@ -35,7 +35,6 @@ from typing import Tuple
 
 import torch
 
-from ..config import round_to_fp32
 from ..kernels import sdp4bit as _kernels
 
 M32 = 0xFFFFFFFF
@@ -236,7 +235,7 @@ def reduce_decode_reference(msgs: torch.Tensor, out: torch.Tensor, n: int, bits:
     """TLq-HS last hop: out (n elements, fp32 or bf16) = [H] (sum of dequantized messages) * scale.
 
     With the forward Hadamard applied first, scale = 1 / (32 * dp) gives the inverse transform and
-    the DP mean at once. `scale` must be an fp32 number (round it with `as_fp32`)."""
+    the DP mean at once. `scale` must be an fp32 number (round it with `config.round_to_fp32`)."""
     acc = _sum_dequantized(msgs, n, bits, group)
     if hadamard:
         acc = hadamard32(acc)
@@ -265,11 +264,6 @@ def apply_delta_reference(msgs: torch.Tensor, weights: torch.Tensor, bits: int, 
     deq = dequantize_groups(q, s, group)
     w = weights.view(nsrc, n)
     w.copy_((deq if directly else w.float() + deq).to(weights.dtype))
-
-
-def as_fp32(x: float) -> float:
-    """A Python float rounded to fp32, so torch and Triton multiply by the same number."""
-    return round_to_fp32(x)
 
 
 # --------------------------------------------------------------------------------- dispatch

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..config import round_to_fp32
 from . import codecs
 from .base import CommStats, Pending
 from .plain import PlainShardedComm
@@ -119,7 +120,7 @@ class SDP4BitComm:
         c = self.cfg
         L, N, S = self.local_size, self.nodes, shard_out.numel()
         had = bool(c.hadamard_transform)
-        out_scale = codecs.as_fp32(1.0 / (self.dp * (codecs.HADAMARD_BLOCK if had else 1)))
+        out_scale = round_to_fp32(1.0 / (self.dp * (codecs.HADAMARD_BLOCK if had else 1)))
         unit = max(c.gq_group_size_intra, c.gq_group_size_inter)
         slices = slice_bounds(S, c.gradient_alltoall_pipeline, unit)
         b1, g1 = c.gradient_quantization_bits_intra, c.gq_group_size_intra

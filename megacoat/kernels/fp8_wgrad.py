@@ -17,10 +17,12 @@ import warnings
 
 import torch
 
+from .fp8 import fp8_gemm_reference
+
 
 def fp8_wgrad_reference(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
                         accumulate: bool) -> None:
-    prod = torch.mm(gqt.float() * sg.float(), (xqt.float() * sx.float()).t())
+    prod = fp8_gemm_reference(gqt, sg.float(), xqt, sx.float(), torch.float32)
     if accumulate:
         out.add_(prod)
     else:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.fp8 import fp8_gemm_reference
 from ..kernels.fp8_wgrad import fp8_wgrad_gemm
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
@@ -68,12 +69,6 @@ def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor, hw: Optional[bool]) -> bool
     return all(d % 16 == 0 for d in (*a.shape, bt.shape[0]))
 
 
-def fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor,
-                       out_dtype: torch.dtype) -> torch.Tensor:
-    """(a * sa) @ (bt * sb)^T in fp32 from the FP8 codes: the exact emulation."""
-    return torch.mm(a.float() * sa, (bt.float() * sb).t()).to(out_dtype)
-
-
 def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
              fast_accum: bool = False, hw: Optional[bool] = None) -> torch.Tensor:
     """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major. `hw`: whether
@@ -98,7 +93,7 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
     written = False
-    if hw and main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
+    if main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
         written = fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first)
         if not written and first and main_grad.is_contiguous() and scaled_mm_writes_out(gqt.device):
             try:
