@@ -135,14 +135,43 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((uint32_t)(e - a)) : "memory");
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 __device__ __forceinline__ void bf16x4_to_float(uint2 raw, float* x) {
   __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x);
   __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
   x[0] = __low2float(a); x[1] = __high2float(a); x[2] = __low2float(b); x[3] = __high2float(b);
 }
+
+// One lane's gradients as their raw bits, widened to fp32 where the update uses them. Widening bf16
+// right after the loads (bf16x4_to_float) put the unpack before the aligned/scalar branches rejoin, so a
+// warp waited for its gradients before issuing the per-group loads (two memory waits in a row; static SASS,
+// benchmarks/results/2026-12-01_s6_fused_adamw_bf16_grad_sass.md). The same bits either way.
+template <typename G, int N> struct GradBits;
+template <int N> struct GradBits<float, N> {
+  uint32_t w[N];
+  __device__ __forceinline__ void load4(const float* p, int j) {
+    const uint4 d = __ldg(reinterpret_cast<const uint4*>(p));
+    w[4 * j] = d.x; w[4 * j + 1] = d.y; w[4 * j + 2] = d.z; w[4 * j + 3] = d.w;
+  }
+  __device__ __forceinline__ void load1(const float* p, int i, bool in) {
+    w[i] = in ? __float_as_uint(__ldg(p)) : 0u;
+  }
+  __device__ __forceinline__ float operator[](int i) const { return __uint_as_float(w[i]); }
+};
+template <int N> struct GradBits<__nv_bfloat16, N> {
+  uint32_t w[N / 2];  // element 2i in the low half (little-endian), as loaded
+  __device__ __forceinline__ void load4(const __nv_bfloat16* p, int j) {
+    const uint2 d = __ldg(reinterpret_cast<const uint2*>(p));
+    w[2 * j] = d.x; w[2 * j + 1] = d.y;
+  }
+  __device__ __forceinline__ void load1(const __nv_bfloat16* p, int i, bool in) {
+    const uint32_t h = in ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p)) : 0u;
+    w[i / 2] = i % 2 ? (w[i / 2] | (h << 16)) : h;
+  }
+  __device__ __forceinline__ float operator[](int i) const {  // bf16 -> fp32 is exact: the bits, shifted
+    return __uint_as_float(i % 2 ? (w[i / 2] & 0xffff0000u) : (w[i / 2] << 16));
+  }
+};
 
 __device__ __forceinline__ uint2 float4_to_bf16x4(const float* x) {
   __nv_bfloat162 a = __halves2bfloat162(__float2bfloat16_rn(x[0]), __float2bfloat16_rn(x[1]));
@@ -336,7 +365,8 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
     }
 
     // ---- loads: everything this lane needs, issued before any arithmetic
-    float p[kPerLane], gr[kPerLane], m[kPerLane], v[kPerLane];
+    float p[kPerLane], m[kPerLane], v[kPerLane];
+    GradBits<G, kPerLane> gr;
     uint32_t mq[kRuns], vq[kRuns];  // FP8 codes, 4 per run
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
@@ -365,19 +395,13 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
     if (chunk.grad_vec && rem >= (kRuns - 1) * kRunStride + 4) {
 #pragma unroll
       for (int j = 0; j < kRuns; ++j) {
-        const G* ptr = chunk.grad + local + j * kRunStride;
-        if (sizeof(G) == 4) {
-          const float4 d = __ldg(reinterpret_cast<const float4*>(ptr));
-          gr[4 * j] = d.x; gr[4 * j + 1] = d.y; gr[4 * j + 2] = d.z; gr[4 * j + 3] = d.w;
-        } else {
-          bf16x4_to_float(__ldg(reinterpret_cast<const uint2*>(ptr)), gr + 4 * j);
-        }
+        gr.load4(chunk.grad + local + j * kRunStride, j);
       }
     } else {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int o = (i / 4) * kRunStride + i % 4;
-        gr[i] = o < rem ? to_float(__ldg(chunk.grad + local + o)) : 0.f;
+        gr.load1(chunk.grad + local + o, i, o < rem);
       }
     }
     // Per-group numbers of the stored moments: each lane computes them for one moment (is_v),
