@@ -57,6 +57,13 @@ def test_quantizers(shape, fmt):
     assert torch.equal(scale, scale_ref)  # IEEE division in both
     assert_interpreted_fp8_close(q, q_ref)
     assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))  # one cast, two layouts
+    e, qt2, s2 = K.cast_tensorwise(x2, amax, fmt, True, rowwise=False)  # the transposed copy only
+    assert e.numel() == 0 and torch.equal(qt2.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s2, scale)
+    out = (torch.empty_like(q), torch.empty_like(qt), torch.empty_like(scale))  # into given buffers
+    K.cast_tensorwise(x2, amax, fmt, True, out=out)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out[:2], (q, qt)))
+    with pytest.raises(ValueError, match="expected a contiguous"):
+        K.cast_tensorwise(x2, amax, fmt, True, out=(out[0], out[0], out[2]))
     g, s = K.quantize_1x16(x, fmt)
     g_ref, s_ref = fp8.quantize_1x16_reference(x, fmt)
     assert s.dtype == torch.bfloat16 and torch.equal(s, s_ref)  # amax, IEEE division, bit round-up: exact

@@ -108,6 +108,17 @@ def test_quantizers_bit_exact(shape, fmt):
     assert_same(g, g_ref, "1x16 codes")
     for dt in (torch.float32, torch.bfloat16):
         assert_same(K.dequantize_1x16(g, s, dt), fp8.dequantize_1x16_reference(g, s, dt), f"dequantize -> {dt}")
+    # transposed copy only (the backward's casts): the same transposed codes, no row-wise ones
+    e, qt_only, s_only = K.cast_tensorwise(x2, amax, fmt, True, rowwise=False)
+    assert e.numel() == 0
+    assert_same(qt_only, qt_ref, "transposed-only codes")
+    assert_same(s_only, scale_ref, "transposed-only scale")
+    # into existing buffers (the weight cache), filled with garbage first
+    bufs = (torch.full_like(q, 3.0), torch.full_like(qt, -5.0), torch.full_like(scale, 7.0),
+            torch.full_like(amax, 1e30))
+    fp8.quantize_tensorwise_into(x2, fmt, *bufs)
+    for got, want, what in zip(bufs, (q_ref, qt_ref, scale_ref, amax), ("q", "qt", "scale", "amax")):
+        assert_same(got, want, f"quantize_tensorwise_into {what}")
     # the public (dispatching) entry points pick the kernel on CUDA and agree
     pq, _, ps = fp8.quantize_tensorwise(x2, fmt)
     assert_same(pq, q_ref, "public quantize_tensorwise codes")

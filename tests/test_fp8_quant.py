@@ -57,6 +57,23 @@ def test_transposed_copy_equals_transpose_of_codes(fmt):
     assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_transposed_only_cast_and_cast_into_buffers(fmt):
+    x = _data((33, 70), 4)
+    q, qt, scale = fp8.quantize_tensorwise(x, fmt, transpose=True)
+    e, qt2, s2 = fp8.cast_tensorwise(x, fp8.amax(x), fmt, True, rowwise=False)
+    assert e.numel() == 0 and torch.equal(qt2.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s2, scale)
+    # into a weight cache's buffers, which hold stale values
+    dt = fp8.get_format(fmt).dtype
+    bufs = (torch.full((33, 70), 2.0).to(dt), torch.full((70, 33), -3.0).to(dt), torch.tensor(5.0), torch.tensor(9.0))
+    fp8.quantize_tensorwise_into(x, fmt, *bufs)
+    assert torch.equal(bufs[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(bufs[1].view(torch.uint8), qt.view(torch.uint8))
+    assert torch.equal(bufs[2], scale) and bufs[3].item() == x.float().abs().max().item()
+    with pytest.raises(ValueError, match="writes nothing"):
+        fp8.cast_tensorwise(x, fp8.amax(x), fmt, False, rowwise=False)
+
+
 def test_given_amax_is_used_and_saturates():
     x = _data((8, 32), 3)
     amax = x.float().abs().amax() / 4  # a stale (too small) amax: values beyond it saturate, never NaN

@@ -64,18 +64,38 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return amax_into(x, torch.zeros((), dtype=torch.float32, device=x.device))
 
 
-def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool):
-    """-> (q, q of x.T or empty, fp32 scale): the scale is computed from `amax` inside the kernel."""
+def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool, rowwise: bool = True,
+                    out=None):
+    """-> (q or empty, q of x.T or empty, fp32 scale): the scale is computed from `amax` inside the kernel.
+    `rowwise=False`: only the transposed copy (q comes back empty). `out`: the (q, qt, scale) tensors to
+    write (a weight cache's buffers), else new ones."""
+    if not (rowwise or transpose):
+        raise ValueError("cast_tensorwise with rowwise=False and transpose=False writes nothing")
     x2 = _rows(x)
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE[fmt], device=x.device)
-    qt = torch.empty((k, m) if transpose else (0,), dtype=FP8_DTYPE[fmt], device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    dt = FP8_DTYPE[fmt]
+    if out is None:
+        q = torch.empty((m, k) if rowwise else (0,), dtype=dt, device=x.device)
+        qt = torch.empty((k, m) if transpose else (0,), dtype=dt, device=x.device)
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+    else:
+        q, qt, scale = out
+        _check_out(q, (m, k) if rowwise else None, dt, "q")
+        _check_out(qt, (k, m) if transpose else None, dt, "qt")
+        _check_out(scale, (), torch.float32, "scale")
     bm, bk, warps = TILES["cast"]
     grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
-    _k().cast_kernel[grid](x2, amax, scale, q, qt if transpose else q, m, k, x2.stride(0),
-                           FMAX=FP8_MAX[fmt], EPS=EPS, TRANSPOSE=transpose, BM=bm, BK=bk, num_warps=warps)
-    return q.view(x.shape), qt, scale
+    _k().cast_kernel[grid](x2, amax, scale, q if rowwise else qt, qt if transpose else q, m, k, x2.stride(0),
+                           FMAX=FP8_MAX[fmt], EPS=EPS, TRANSPOSE=transpose, BM=bm, BK=bk, ROWWISE=rowwise,
+                           num_warps=warps)
+    return (q.view(x.shape) if rowwise else q), qt, scale
+
+
+def _check_out(t: torch.Tensor, shape, dtype: torch.dtype, name: str) -> None:
+    """An output buffer the kernel writes: the expected shape (None: not written), dtype, contiguous."""
+    if shape is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous()):
+        raise ValueError(f"FP8 cast output {name}: expected a contiguous {dtype} tensor of shape {tuple(shape)}, "
+                         f"got {t.dtype} {tuple(t.shape)}")
 
 
 def quantize_1x16(x: torch.Tensor, fmt: str):

@@ -90,14 +90,22 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
-def cast_tensorwise_reference(x: torch.Tensor, amax: torch.Tensor, fmt: str,
-                              transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, q of x.T or empty, scale) with the per-tensor scale of `amax`; `transpose` needs a 2-D x."""
-    if transpose and x.dim() != 2:
-        raise ValueError(f"the transposed FP8 copy needs a 2-D tensor, got shape {tuple(x.shape)}: flatten it first")
+def cast_tensorwise_reference(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool,
+                              rowwise: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q or empty, q of x.T or empty, scale) with the per-tensor scale of `amax`; `transpose` needs a
+    2-D x; `rowwise=False` returns only the transposed copy (q empty)."""
+    _check_cast_args(x, transpose, rowwise)
     scale = scale_from_amax(amax, fmt)
     q = cast_saturate(x.detach().float() * reciprocal(scale), fmt)
-    return q, (q.t().contiguous() if transpose else q.new_empty(0)), scale
+    qt = q.t().contiguous() if transpose else q.new_empty(0)
+    return (q if rowwise else q.new_empty(0)), qt, scale
+
+
+def _check_cast_args(x: torch.Tensor, transpose: bool, rowwise: bool) -> None:
+    if transpose and x.dim() != 2:
+        raise ValueError(f"the transposed FP8 copy needs a 2-D tensor, got shape {tuple(x.shape)}: flatten it first")
+    if not (rowwise or transpose):
+        raise ValueError("an FP8 cast with rowwise=False needs transpose=True: otherwise it writes nothing")
 
 
 def quantize_1x16_reference(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -141,13 +149,12 @@ def _amax_impl(x: torch.Tensor) -> torch.Tensor:
     return amax_reference(x)
 
 
-def _cast_impl(x, amax_t, fmt, transpose):
+def _cast_impl(x, amax_t, fmt, transpose, rowwise=True):
     get_format(fmt)
-    if transpose and x.dim() != 2:
-        raise ValueError(f"the transposed FP8 copy needs a 2-D tensor, got shape {tuple(x.shape)}: flatten it first")
+    _check_cast_args(x, transpose, rowwise)
     if _kernel_ok(x, amax_t) and x.numel() > 0:
-        return fp8_kernels.cast_tensorwise(x, amax_t.float().reshape(()), fmt, transpose)
-    return cast_tensorwise_reference(x, amax_t, fmt, transpose)
+        return fp8_kernels.cast_tensorwise(x, amax_t.float().reshape(()), fmt, transpose, rowwise)
+    return cast_tensorwise_reference(x, amax_t, fmt, transpose, rowwise)
 
 
 def _quantize_1x16_impl(x, fmt):
@@ -174,15 +181,15 @@ def _(x):
 
 
 @torch.library.triton_op("megacoat::fp8_cast_tensorwise", mutates_args=())
-def _cast_op(x: torch.Tensor, amax: torch.Tensor, fmt: str,
-             transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _cast_impl(x, amax, fmt, transpose)
+def _cast_op(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool,
+             rowwise: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _cast_impl(x, amax, fmt, transpose, rowwise)
 
 
 @_cast_op.register_fake
-def _(x, amax, fmt, transpose):
+def _(x, amax, fmt, transpose, rowwise=True):
     dt = get_format(fmt).dtype
-    q = x.new_empty(x.shape, dtype=dt)
+    q = x.new_empty(x.shape if rowwise else (0,), dtype=dt)
     qt = x.new_empty((x.shape[1], x.shape[0]), dtype=dt) if transpose else x.new_empty(0, dtype=dt)
     return q, qt, x.new_empty((), dtype=torch.float32)
 
@@ -214,9 +221,29 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return _amax_op(x) if is_compiling() else _amax_impl(x)
 
 
-def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool):
-    """(q, q of x.T or empty, scale) with the per-tensor scale of the given amax (one pass)."""
-    return _cast_op(x, amax, fmt, transpose) if is_compiling() else _cast_impl(x, amax, fmt, transpose)
+def cast_tensorwise(x: torch.Tensor, amax: torch.Tensor, fmt: str, transpose: bool, rowwise: bool = True):
+    """(q, q of x.T or empty, scale) with the per-tensor scale of the given amax (one pass).
+    `rowwise=False` (with transpose): only the transposed copy, q empty (a backward that has no use for q)."""
+    if is_compiling():
+        return _cast_op(x, amax, fmt, transpose, rowwise)
+    return _cast_impl(x, amax, fmt, transpose, rowwise)
+
+
+def quantize_tensorwise_into(x: torch.Tensor, fmt: str, q: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
+                             amax_buf: torch.Tensor) -> None:
+    """Just-in-time per-tensor quantization of a 2-D x written into existing buffers (a weight cache's:
+    compiled graphs hold them as inputs, and writing in place saves a copy of each): q, its transpose qt,
+    the fp32 scale; `amax_buf` (an fp32 scalar) receives max |x|. Eager only (not a custom op)."""
+    get_format(fmt)
+    _check_cast_args(x, True, True)
+    if _kernel_ok(x, q, qt, scale, amax_buf) and x.numel() > 0:
+        fp8_kernels.amax_into(x, amax_buf.zero_())
+        fp8_kernels.cast_tensorwise(x, amax_buf, fmt, True, out=(q, qt, scale))
+        return
+    a = amax_reference(x)
+    rq, rqt, rs = cast_tensorwise_reference(x, a, fmt, True)
+    for dst, src in ((q, rq), (qt, rqt), (scale, rs), (amax_buf, a)):
+        dst.copy_(src)
 
 
 def quantize_1x16(x: torch.Tensor, fmt: str):

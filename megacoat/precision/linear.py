@@ -167,7 +167,7 @@ class Fp8WeightCache:
     def __init__(self, fmt: str, persistent: bool = True):
         self.fmt = fmt
         self.persistent = persistent
-        self.wq = self.wqt = self.scale = None
+        self.wq = self.wqt = self.scale = self._amax = None
         self.stale = True
         self.version = None
 
@@ -181,14 +181,16 @@ class Fp8WeightCache:
 
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor) -> None:
-        wq, wqt, scale = fp8.quantize_tensorwise(weight.detach(), self.fmt, transpose=True)
-        if self.wq is not None and self.wq.shape == wq.shape and self.wq.device == wq.device:
-            # In place: compiled graphs hold these tensors as inputs; new objects would recompile.
-            self.wq.copy_(wq)
-            self.wqt.copy_(wqt)
-            self.scale.copy_(scale)
-        else:
-            self.wq, self.wqt, self.scale = wq, wqt, scale
+        w = weight.detach()
+        if self.wq is None or self.wq.shape != w.shape or self.wq.device != w.device:
+            dt = fp8.get_format(self.fmt).dtype
+            self.wq = torch.empty(w.shape, dtype=dt, device=w.device)
+            self.wqt = torch.empty((w.shape[1], w.shape[0]), dtype=dt, device=w.device)
+            self.scale = torch.empty((), dtype=torch.float32, device=w.device)
+            self._amax = torch.empty((), dtype=torch.float32, device=w.device)
+        # Into the same buffers every time: compiled graphs hold them as inputs (new objects would
+        # recompile), and quantizing in place saves a copy of W and of W^T per refresh.
+        fp8.quantize_tensorwise_into(w, self.fmt, self.wq, self.wqt, self.scale, self._amax)
         self.version = (weight._version, weight.data_ptr())
         self.stale = False
 
@@ -268,7 +270,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if opts.activation == "swiglu":
             g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
-            _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True)
+            _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True, rowwise=False)
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
@@ -279,7 +281,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if opts.save_fp8:
             xqt = x_saved
         else:
-            _, xqt, _ = fp8.cast_tensorwise(x_saved, x_amax, opts.fwd_fmt, True)
+            _, xqt, _ = fp8.cast_tensorwise(x_saved, x_amax, opts.fwd_fmt, True, rowwise=False)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
             dw = fp8_wgrad(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm, w_dtype)  # placeholder

@@ -118,9 +118,10 @@ def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 @triton.jit
 def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
                 FMAX: tl.constexpr, EPS: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
-                BK: tl.constexpr):
-    """q[m, k] = sat(x[m, k] * r); with TRANSPOSE also qt[k, m] (qt is [K, M] row-major, written from
-    the same registers through tl.trans). The scale comes from the amax scalar; program (0, 0) stores it."""
+                BK: tl.constexpr, ROWWISE: tl.constexpr = True):
+    """q[m, k] = sat(x[m, k] * r) (unless not ROWWISE: a backward that needs only the transposed copy);
+    with TRANSPOSE also qt[k, m] (qt is [K, M] row-major, written from the same registers through
+    tl.trans). The scale comes from the amax scalar; program (0, 0) stores it."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
     inv = tl.math.div_rn(1.0, scale)
@@ -130,8 +131,9 @@ def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    q = sat_cast(xb.to(tl.float32) * inv, FMAX, q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    if ROWWISE:
+        q = sat_cast(xb.to(tl.float32) * inv, FMAX, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         # Transpose the 16-bit input tile (shared memory moves 2-byte words, not single bytes) and
         # cast again: the same multiply and cast, so the codes equal q's.
