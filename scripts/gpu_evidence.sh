@@ -7,7 +7,8 @@
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
-#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG); coat7 also
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
+#                   bf16_cudagraphs / coat_cudagraphs: with TORCHINDUCTOR_CUDAGRAPHS=1, only when named); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
 #             expansion (issue 11), final training and validation loss
@@ -34,7 +35,7 @@ M7="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-h
 C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 32000 --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 5 --eval-interval 0 --eval-iters 0 --untie-embeddings-and-output-weights --bf16"
 mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
-    | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory" | cut -c1-600 | tee -a $LOG
+    | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs" | cut -c1-600 | tee -a $LOG
   python3 -c "import json,sys; r=[json.loads(l) for l in open('/tmp/$name.jsonl')]; r=r[-1]; r['run']='megacoat $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
 peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 benchmarks/peer_plain_llama.py "$@" --json /tmp/p.jsonl 2>&1 | tail -1 | tee -a $LOG
@@ -127,6 +128,9 @@ if has coat1; then
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  # Inductor's CUDA graphs for the compiled layers (an experiment: is the step host-bound?)
+  c1 bf16_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_bf16_cudagraphs${C1_TAG:-} 20 $M1
+  c1 coat_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_coat_cudagraphs${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
   c1 bf16_gbs32 && mc c1_bf16_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --global-batch-size 32
   c1 tensorwise_gbs32 && mc c1_tensorwise_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 32
   c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
