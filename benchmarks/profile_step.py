@@ -1,10 +1,12 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
 kernels add up to much less than its wall time is waiting on the host (launch overhead, syncs).
+`--host-profile` also runs the steps under cProfile and prints the Python functions (and the C++ calls
+they make) that take the host's time: where a host-bound step spends it.
 """
 import sys
 import time
@@ -45,6 +47,24 @@ def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
         print(f"  {g / 1e3:8.2f} ms  after {before[:60]}  before {after[:60]}")
 
 
+def print_host_profile(tr, it, steps: int, top: int = 40) -> None:
+    """cProfile over `steps` steps: the functions with the most own host time (cProfile's overhead
+    inflates pure-Python functions more than C++ calls; compare rows, not the total with the wall time)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    _timed_steps(tr, it, steps)
+    prof.disable()
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats("megacoat", top)  # our functions, with what they call
+    print(f"host profile over {steps} steps (cProfile, by own time):")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:20000])
+
+
 def main():
     argv = sys.argv[1:]
     steps = 3
@@ -52,12 +72,17 @@ def main():
         i = argv.index("--profile-steps")
         steps = int(argv[i + 1])
         del argv[i:i + 2]
+    host_profile = "--host-profile" in argv
+    if host_profile:
+        argv.remove("--host-profile")
     cfg = parse_args(argv)
     tr = Trainer(cfg)
     it = tr.data_iterators().train
     for _ in range(5):
         tr.train_step(tr._next_micro_batches(it))
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
+    if host_profile:
+        print_host_profile(tr, it, steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
     if tr.device.type == "cuda":
         torch.cuda.synchronize()
