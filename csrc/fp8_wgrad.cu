@@ -76,26 +76,41 @@ using Key = std::tuple<int64_t, int64_t, int64_t, int, int, uint32_t, uint32_t, 
 std::map<Key, cublasLtMatmulAlgo_t> algo_cache;
 std::mutex algo_mutex;
 
+bool is_fp8(const torch::Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+// Whether the cuBLASLt FP8 GEMM takes the problem: the caller runs its fallback where it does not. Checked
+// here rather than in Python: this runs on every micro-batch of every linear, where Python's checks cost
+// more host time than the launch (H200 host profile, 2026-12-01).
+bool takes(const torch::Tensor& out, const torch::Tensor& gqt, const torch::Tensor& sg, const torch::Tensor& xqt,
+           const torch::Tensor& sx) {
+  if (!(out.is_cuda() && gqt.is_cuda() && xqt.is_cuda() && sg.is_cuda() && sx.is_cuda())) return false;
+  const auto dev = out.get_device();
+  if (gqt.get_device() != dev || xqt.get_device() != dev || sg.get_device() != dev || sx.get_device() != dev) return false;
+  if (!(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous())) return false;
+  if (!(gqt.dim() == 2 && xqt.dim() == 2 && gqt.is_contiguous() && xqt.is_contiguous())) return false;
+  if (!(is_fp8(gqt) && is_fp8(xqt))) return false;
+  if (gqt.scalar_type() == at::kFloat8_e5m2 && xqt.scalar_type() == at::kFloat8_e5m2) return false;  // no such kernel
+  const int64_t n = gqt.size(0), k = xqt.size(0), t = gqt.size(1);
+  if (!(xqt.size(1) == t && out.size(0) == n && out.size(1) == k)) return false;
+  if (n == 0 || k == 0 || t == 0 || n % 16 || k % 16 || t % 16) return false;
+  if (!(sg.scalar_type() == at::kFloat && sx.scalar_type() == at::kFloat && sg.numel() == 1 && sx.numel() == 1)) return false;
+  // 16 for out too, not the 4 an fp32 matrix needs: with C/D 4 bytes past a 16-byte boundary (alignment
+  // preferences set to 4) cuBLASLt 13 crashed the process on the H200 (a segmentation fault inside the call,
+  // tests/test_fp8_wgrad.py offset 1, 2026-12-01).
+  return alignment(gqt.data_ptr()) >= 16 && alignment(xqt.data_ptr()) >= 16 && alignment(out.data_ptr()) >= 16;
+}
+
 }  // namespace
 
-void fp8_wgrad(torch::Tensor out, torch::Tensor gqt, torch::Tensor sg, torch::Tensor xqt, torch::Tensor sx,
+// Returns false (nothing written) for a problem it does not take (see `takes`); raises when cuBLASLt
+// refuses one it should take (the caller remembers that problem and falls back).
+bool fp8_wgrad(torch::Tensor out, torch::Tensor gqt, torch::Tensor sg, torch::Tensor xqt, torch::Tensor sx,
                bool accumulate, bool fast_accum) {
-  check(out.is_cuda() && gqt.is_cuda() && xqt.is_cuda() && sg.is_cuda() && sx.is_cuda(), "all tensors must be on the GPU");
-  check(out.get_device() == gqt.get_device() && out.get_device() == xqt.get_device(), "tensors on different GPUs");
-  check(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out must be a contiguous fp32 [N, K] matrix");
-  check(gqt.dim() == 2 && xqt.dim() == 2 && gqt.is_contiguous() && xqt.is_contiguous(),
-        "gqt [N, T] and xqt [K, T] must be contiguous row-major matrices");
+  if (!takes(out, gqt, sg, xqt, sx)) return false;
   const int64_t n = gqt.size(0), k = xqt.size(0), t = gqt.size(1);
-  check(xqt.size(1) == t && out.size(0) == n && out.size(1) == k, "shapes: out [N, K], gqt [N, T], xqt [K, T]");
-  check(n % 16 == 0 && k % 16 == 0 && t % 16 == 0, "FP8 GEMMs need every dimension a multiple of 16");
   const cudaDataType_t ta = fp8_type(xqt), tb = fp8_type(gqt);
-  check(!(ta == CUDA_R_8F_E5M2 && tb == CUDA_R_8F_E5M2), "cuBLAS has no e5m2 x e5m2 GEMM");
-  check(sg.scalar_type() == at::kFloat && sx.scalar_type() == at::kFloat && sg.numel() == 1 && sx.numel() == 1,
-        "scales must be one-element fp32 tensors");
-  if (t == 0) {  // an empty sum
-    if (!accumulate) out.zero_();
-    return;
-  }
   c10::cuda::CUDAGuard guard(out.device());
 
   MatmulDesc desc;
@@ -109,11 +124,6 @@ void fp8_wgrad(torch::Tensor out, torch::Tensor gqt, torch::Tensor sg, torch::Te
   Layout la(ta, t, k, t), lb(tb, t, n, t), lc(CUDA_R_32F, k, n, k);
 
   const uint32_t al_a = alignment(xqt.data_ptr()), al_b = alignment(gqt.data_ptr()), al_c = alignment(out.data_ptr());
-  check(al_a >= 16 && al_b >= 16, "FP8 operands must be 16-byte aligned");
-  // 16, not the 4 an fp32 matrix needs: with C/D 4 bytes past a 16-byte boundary (alignment preferences
-  // set to 4) cuBLASLt 13 crashed the process on the H200 (segmentation fault inside the call,
-  // tests/test_fp8_wgrad.py offset 1, 2026-12-01); such a view runs the _scaled_mm fallback instead.
-  check(al_c >= 16, "out must be 16-byte aligned");
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const Key key{n, k, t, (int)ta, (int)tb, al_a, al_b, al_c, accumulate, fast_accum, out.get_device()};
   cublasLtMatmulAlgo_t algo;
@@ -145,10 +155,12 @@ void fp8_wgrad(torch::Tensor out, torch::Tensor gqt, torch::Tensor sg, torch::Te
                           out.data_ptr(), lc.l, &algo, workspace.data_ptr(), kWorkspace,
                           c10::cuda::getCurrentCUDAStream()),
            "cublasLtMatmul");
+  return true;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fp8_wgrad", &fp8_wgrad, "out[N, K] (+)= (gqt[N, T] * sg) @ (xqt[K, T] * sx)^T in fp32 (cuBLASLt FP8, beta = 1)",
+  m.def("fp8_wgrad", &fp8_wgrad, "out[N, K] (+)= (gqt[N, T] * sg) @ (xqt[K, T] * sx)^T in fp32 (cuBLASLt FP8, beta = 1); False: "
+        "a problem it does not take, nothing written",
         py::arg("out"), py::arg("gqt"), py::arg("sg"), py::arg("xqt"), py::arg("sx"), py::arg("accumulate"),
         py::arg("fast_accum") = false);
 }

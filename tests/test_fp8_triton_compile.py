@@ -83,9 +83,10 @@ def check_relaxed_amax(ptx, name):
 k = comp(Q.amax_kernel, dict(x_ptr=bf, out_ptr=f32, n=i32), dict(BLOCK=4096, ITERS=4), 8)
 check_relaxed_amax(k.asm["ptx"], "amax")
 for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
-    for t in (False, True):
+    for t, rowwise in ((False, True), (True, True), (True, False)):
         k = comp(Q.cast_kernel, dict(x_ptr=bf, amax_ptr=f32, scale_ptr=f32, q_ptr=qty, qt_ptr=qty, M=i32, K=i32,
-                                     stride_x=i32), dict(FMAX=fmax, EPS=1e-12, TRANSPOSE=t, BM=128, BK=128), 8)
+                                     stride_x=i32), dict(FMAX=fmax, EPS=1e-12, TRANSPOSE=t, BM=128, BK=128,
+                                                         ROWWISE=rowwise), 8)
         assert "div.rn.f32" in k.asm["ptx"] and "satfinite" in k.asm["ptx"]
     qsig = dict(x_ptr=bf, q_ptr=qty, s_ptr=bf, M=i32, K=i32, G=i32, stride_x=i32)
     dsig = dict(q_ptr=qty, s_ptr=bf, y_ptr=bf, M=i32, K=i32, G=i32)

@@ -8,12 +8,13 @@ micro-batch after a step's first with a temporary and an add pass over the weigh
 The reference (same signature) dequantizes and multiplies in fp32: the tests' oracle (off-GPU the FP8
 linear's own emulation, `fp8_gemm` + add, computes the same thing). On a
 GPU where the extension is missing or declines a problem (`fp8_wgrad_gemm` returns False: shapes, dtypes or
-alignment it cannot take, checked in Python; or a problem cuBLASLt refused once, remembered for the run) the
+alignment it cannot take, checked by the extension; or a problem cuBLASLt refused once, remembered for the run) the
 FP8 linear runs `_scaled_mm` and an add instead.
 """
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
 
 import torch
 
@@ -29,38 +30,11 @@ def fp8_wgrad_reference(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, 
         out.copy_(prod)
 
 
+@lru_cache(maxsize=None)  # looked up once: this runs on every micro-batch of every linear
 def cuda_extension():
     """The compiled cuBLASLt GEMM, or None (no CUDA, no toolkit: one warning)."""
     from .cuda_ext import load_extension
     return load_extension("fp8_wgrad", ("fp8_wgrad.cu",), libraries=("cublasLt",))
-
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def problem_fits(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor) -> bool:
-    """The shapes, dtypes and alignments the cuBLASLt FP8 GEMM takes, whatever the device: the same checks
-    as csrc/fp8_wgrad.cu, so that a problem it would refuse runs the fallback instead of raising."""
-    if not (out.dtype == torch.float32 and out.dim() == 2 and gqt.dim() == 2 and xqt.dim() == 2
-            and out.is_contiguous() and gqt.is_contiguous() and xqt.is_contiguous()):
-        return False
-    if gqt.dtype not in _FP8 or xqt.dtype not in _FP8 or gqt.dtype == xqt.dtype == torch.float8_e5m2:
-        return False  # cuBLAS has no e5m2 x e5m2 kernel
-    n, t = gqt.shape
-    k = xqt.shape[0]
-    if xqt.shape[1] != t or tuple(out.shape) != (n, k) or min(n, k, t) == 0 or any(d % 16 for d in (n, k, t)):
-        return False
-    if sg.numel() != 1 or sx.numel() != 1:
-        return False
-    # out 16-byte aligned too: a 4-byte-aligned out crashed cuBLASLt (see csrc/fp8_wgrad.cu)
-    return gqt.data_ptr() % 16 == 0 and xqt.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
-
-
-def extension_fits(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor) -> bool:
-    """problem_fits, with every tensor on the same GPU."""
-    if not all(t.is_cuda and t.device == out.device for t in (out, gqt, sg, xqt, sx)):
-        return False
-    return problem_fits(out, gqt, sg, xqt, sx)
 
 
 class _Refused:
@@ -77,22 +51,24 @@ def _problem_key(out, gqt, xqt, accumulate):
 
 def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
                    accumulate: bool) -> bool:
-    """Runs the extension when it exists and takes the problem; False otherwise (nothing written)."""
-    if not extension_fits(out, gqt, sg, xqt, sx):  # off-GPU: never fits
-        return False
-    key = _problem_key(out, gqt, xqt, accumulate)
-    if key in _Refused.keys:
-        return False
-    ext = cuda_extension()
+    """Runs the extension when it exists and takes the problem; False otherwise (nothing written).
+
+    The extension decides what it takes (csrc/fp8_wgrad.cu `takes`: every tensor on one GPU; out a
+    contiguous fp32 [N, K]; gqt [N, T] and xqt [K, T] contiguous FP8, not both e5m2; N, K, T non-zero
+    multiples of 16; one-element fp32 scales; every pointer 16-byte aligned) and returns False for the rest:
+    in C++, because these checks in Python cost more host time than the launch, on every micro-batch of
+    every linear."""
+    ext = cuda_extension()  # None off-GPU
     if ext is None:
         return False
+    if _Refused.keys and _problem_key(out, gqt, xqt, accumulate) in _Refused.keys:
+        return False
     try:
-        ext.fp8_wgrad(out, gqt, sg.float().reshape(1), xqt, sx.float().reshape(1), accumulate, False)
+        return ext.fp8_wgrad(out, gqt, sg, xqt, sx, accumulate, False)
     except torch.OutOfMemoryError:
         raise  # a transient condition of this call, not a property of the problem
     except RuntimeError as e:  # every check comes before the launch: nothing was written
-        _Refused.keys.add(key)
+        _Refused.keys.add(_problem_key(out, gqt, xqt, accumulate))
         warnings.warn(f"megacoat: the FP8 weight-gradient GEMM extension refused a problem ({str(e)[:300]}); "
                       "that problem uses _scaled_mm and an add for the rest of this run (slower)", stacklevel=2)
         return False
-    return True

@@ -92,10 +92,10 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
     require_main_grad_storage(main_grad)
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
-    written = False
-    if main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
-        written = fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first)
-        if not written and first and main_grad.is_contiguous() and scaled_mm_writes_out(gqt.device):
+    # The extension checks the problem itself (cheaper than here: this runs per micro-batch and linear).
+    written = hw and main_grad.dtype == torch.float32 and fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first)
+    if not written and main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
+        if first and main_grad.is_contiguous() and scaled_mm_writes_out(gqt.device):
             try:
                 torch._scaled_mm(gqt, xqt.t(), scale_a=sg.float().reshape(()), scale_b=sx.float().reshape(()),
                                  out_dtype=torch.float32, out=mg)
