@@ -52,6 +52,17 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
 { date -u; cat COMMIT 2>/dev/null; git -C "$HERE" log -1 --oneline 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
+# Carried builds (.ext) whose sources changed are removed first. Exports get an old fixed mtime (so that an
+# unchanged source is not rebuilt in every new export), and then ninja alone would keep a stale build of a
+# changed one: torch's source hash only bumps the version inside one process (2026-12-01: two calls ran
+# stale extensions that way). The stamp is the sources' sha256, written after each build.
+for ext in fused_adamw:fused_adamw.cu fp8_wgrad:fp8_wgrad.cu sdp4bit:sdp4bit_encode.cu; do
+  d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; sum=$(sha256sum "csrc/${ext#*:}" | cut -c1-64)
+  if [ -d "$d" ] && [ "$(cat "$d/.megacoat_src_sha" 2>/dev/null)" != "$sum" ]; then
+    echo "-- ${ext%%:*}: carried build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
+done
+stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_wgrad:fp8_wgrad.cu sdp4bit:sdp4bit_encode.cu; do
+  d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; [ -d "$d" ] && sha256sum "csrc/${ext#*:}" | cut -c1-64 > "$d/.megacoat_src_sha"; done; }
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid=$!
@@ -59,6 +70,7 @@ if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   pid2=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
   wait $pid $pid2
+  stamp_builds
   tar -C "$HERE" -czf "$OUT/ext.tgz" .ext   # one file (few files come back): unpack as .ext, the next call skips the build
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
