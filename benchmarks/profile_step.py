@@ -45,6 +45,15 @@ def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
     print(f"GPU idle gaps >= {min_us:.0f} us: {len(gaps) / steps:.0f} per step, {total / 1e3 / steps:.1f} ms per step")
     for g, before, after in sorted(gaps, reverse=True)[:top]:
         print(f"  {g / 1e3:8.2f} ms  after {before[:60]}  before {after[:60]}")
+    # The same gaps summed per (kernel before, kernel after): many small gaps at one place in every layer
+    # add up to more than the largest single ones.
+    pairs = {}
+    for g, before, after in gaps:
+        n, t = pairs.get((before, after), (0, 0.0))
+        pairs[(before, after)] = (n + 1, t + g)
+    print("GPU idle per place (kernel before -> kernel after), largest total first:")
+    for (before, after), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {t / 1e3 / steps:8.2f} ms per step in {n / steps:5.1f} gaps  {before[:50]} -> {after[:50]}")
 
 
 def print_host_profile(tr, it, steps: int, top: int = 40) -> None:
