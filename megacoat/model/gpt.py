@@ -137,8 +137,10 @@ class GPTModel(nn.Module):
         for recomputed, group in plan.layer_groups(self.layers):
             for layer in group:
                 self._before(layer)
-                if self.lc.fp8 is not None:
-                    refresh_fp8_weights(layer)  # FP8 weight copies, once per optimizer step, outside compiled code
+                if self.lc.fp8 is not None and self.lc.fp8.cache_weights:
+                    # FP8 weight copies, once per optimizer step, outside compiled code (without caches, one
+                    # micro-batch per step, nothing to do: the walk over the layer's modules is host time)
+                    refresh_fp8_weights(layer)
             x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
                                                       self.lc.rng), *group)
         if not self.post_process:
