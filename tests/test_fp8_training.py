@@ -167,3 +167,55 @@ def test_compiled_fp8_layer_fullgraph_equals_eager():
 @pytest.mark.slow
 def test_compiled_fp8_layer_tp2_sp_fullgraph_equals_eager():
     run_distributed(_compiled_layer_equals_eager, 2, 2, True)
+
+
+def test_overlapped_parameter_gather_leaves_fp8_weight_copies_to_each_layer():
+    """--overlap-param-gather: the weights are complete only when each layer's gather is waited for, so the
+    copies stay stale after the step and each layer remakes its own before its forward."""
+    from megacoat.config import parse_args
+    from megacoat.precision.linear import _fp8_caches
+    from megacoat.training.trainer import Trainer
+    flags = TINY + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3", "--fp8-format", "hybrid",
+                    "--fp8-recipe", "coat", "--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
+    tr = Trainer(parse_args(flags))
+    try:
+        it = tr.data_iterators().train
+        tr.train_step(tr._next_micro_batches(it))
+        caches = list(_fp8_caches(tr.model))
+        assert caches and all(c.persistent and c.needs_refresh(m.weight) for m, c in caches)
+        tr.train_step(tr._next_micro_batches(it))  # each layer remakes its copies after its gather wait
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_trainer_remakes_kept_fp8_weight_copies_right_after_the_step(zero):
+    """Several micro-batches per step: the FP8 weight copies are kept, and the trainer remakes them right after
+    the optimizer step (not before each layer's first forward); they equal a fresh quantization of the updated
+    weights, and the next forward remakes nothing."""
+    from megacoat.config import parse_args
+    from megacoat.precision import fp8 as F
+    from megacoat.precision.linear import Fp8WeightCache, _fp8_caches
+    from megacoat.training.trainer import Trainer
+    flags = TINY + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3", "--fp8-format", "hybrid",
+                    "--fp8-recipe", "coat", "--bf16"]
+    tr = Trainer(parse_args(flags + (["--use-distributed-optimizer"] if zero else [])))
+    try:
+        it = tr.data_iterators().train
+        tr.train_step(tr._next_micro_batches(it))
+        caches = list(_fp8_caches(tr.model))
+        assert caches and all(c.persistent and not c.needs_refresh(m.weight) for m, c in caches)
+        for m, c in caches:
+            q, qt, s = F.quantize_tensorwise(m.weight.detach(), c.fmt, transpose=True)
+            assert torch.equal(c.wq.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(c.wqt.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(c.scale, s)
+        remade = []
+        orig = Fp8WeightCache.refresh
+        Fp8WeightCache.refresh = lambda self, w: remade.append(1) or orig(self, w)
+        try:
+            tr.train_step(tr._next_micro_batches(it))
+        finally:
+            Fp8WeightCache.refresh = orig
+        assert len(remade) == len(caches)  # once each, after the second step; none in its forward
+    finally:
+        tr.close()

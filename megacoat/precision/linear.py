@@ -21,10 +21,11 @@ Saved for backward: under `coat` the transposed FP8 copy of x (1 byte/element) a
 
 Weight cache (`Fp8WeightCache`): the FP8 weight, its transpose and scale are made once per optimizer
 step and reused by every micro-batch (when a step has several; with one micro-batch per step nothing is
-kept: see Fp8WeightCache). They are refreshed outside compiled code (the model calls
-`refresh_fp8_weights(layer)` before each layer; the trainer calls `invalidate_fp8_weights(model)`
-after each optimizer step and checkpoint load). Eager calls also refresh when the weight's version
-counter moved (in-place updates).
+kept: see Fp8WeightCache). They are refreshed outside compiled code: the trainer invalidates them after
+each optimizer step and checkpoint load and, unless the parameter all-gather overlaps the next forward,
+remakes them right away (`refresh_fp8_weights(model)`, while the GPU runs the optimizer); otherwise the
+model calls `refresh_fp8_weights(layer)` before each layer. Eager calls also refresh when the weight's
+version counter moved (in-place updates).
 
 Sequence parallelism (`coat`): the column-parallel input is cast with one scale shared by the TP
 group (a scalar max all-reduce), the FP8 codes are all-gathered (1 byte/element instead of 2) and

@@ -28,7 +28,7 @@ from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
-from ..precision.linear import invalidate_fp8_weights
+from ..precision.linear import invalidate_fp8_weights, refresh_fp8_weights
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
@@ -224,7 +224,7 @@ class Trainer:
         lr = step_lr(self.scheduler, samples)
         result = self.optimizer.step(lr)
         if self.recipe.fp8 is not None:
-            invalidate_fp8_weights(self.model)  # FP8 weight copies are remade before each layer's next use
+            self._remake_fp8_weights()
         loss = self._dp_mean(loss)
         st = self.state
         st.iteration += 1
@@ -233,6 +233,16 @@ class Trainer:
         st.count_step(rec)
         self.logger.record_step(rec, result.comm_bytes, samples)
         return rec
+
+    def _remake_fp8_weights(self) -> None:
+        """The weights changed: their FP8 copies are stale. With kept copies (several micro-batches per step)
+        and the weights complete now (no parameter all-gather still overlapping the next forward), remake
+        them at once: their launches then overlap the optimizer kernels on the GPU, instead of taking host
+        time before each layer's first forward, where a step at this size waits on the host. Otherwise each
+        layer remakes its own before its next use (GPTModel.forward)."""
+        invalidate_fp8_weights(self.model)
+        if self.recipe.fp8.cache_weights and getattr(self.model, "pre_module_hook", None) is None:
+            refresh_fp8_weights(self.model)
 
     def _log_bubble(self) -> None:
         """--log-pipeline-bubble: per stage, the share of the schedule's wall time spent outside
