@@ -27,12 +27,12 @@ TILES = {"cast": (128, 128, 8), "quantize_1x16": (4, 64, 4, 1), "dequantize_1x16
 SCALE_DTYPE_1X16 = torch.bfloat16  # group scales, rounded up (see kernels/triton/fp8_quant.py)
 
 
-
 def fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor,
                        out_dtype: torch.dtype) -> torch.Tensor:
     """(a * sa) @ (bt * sb)^T in fp32 from the FP8 codes: the exact emulation of an FP8 GEMM (here, the
     lower layer, so that the FP8 linear and the weight-gradient GEMM's reference share it)."""
     return torch.mm(a.float() * sa, (bt.float() * sb).t()).to(out_dtype)
+
 
 def available() -> bool:
     """Triton kernels can run (devices are checked by callers)."""
