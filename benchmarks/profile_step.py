@@ -1,12 +1,13 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
 kernels add up to much less than its wall time is waiting on the host (launch overhead, syncs).
 `--host-profile` also runs the steps under cProfile and prints the Python functions (and the C++ calls
-they make) that take the host's time: where a host-bound step spends it.
+they make) that take the host's time: where a host-bound step spends it. `--phase-times` (GPU) times the
+forward, backward and optimizer phases on the host and on the GPU, without the profiler's overhead.
 """
 import sys
 import time
@@ -28,6 +29,54 @@ def _timed_steps(tr, it, steps: int) -> float:
     if tr.device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
+
+
+def print_phase_times(tr, it, steps: int) -> None:
+    """Host and GPU time of each phase of a step (forward, backward, optimizer and the rest), without the
+    profiler: CUDA events and the host clock at the same points, each step started on an idle GPU. At each
+    boundary, "GPU behind" is how long after the host reached it the GPU did: near zero means the GPU had
+    caught up with the host there (that phase waited on the host); large means the host ran ahead."""
+    marks = []  # (name, host time, event) of the current step
+
+    def mark(name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, time.perf_counter(), ev))
+
+    hook = tr.model.register_forward_hook(lambda *_: mark("forward"))
+    step = tr.optimizer.step
+
+    def timed_step(*a, **k):
+        mark("backward")
+        return step(*a, **k)
+
+    tr.optimizer.step = timed_step
+    sums = {}
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            marks.clear()
+            mark("start")
+            tr.train_step(tr._next_micro_batches(it))
+            mark("optimizer and rest")
+            torch.cuda.synchronize()
+            _, h0, e0 = marks[0]
+            prev_h, prev_g = 0.0, 0.0
+            for name, h, ev in marks[1:]:
+                host, gpu = (h - h0) * 1e3, e0.elapsed_time(ev)
+                acc = sums.setdefault(name, [0, 0.0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += host - prev_h
+                acc[2] += gpu - prev_g
+                acc[3] += gpu - host
+                prev_h, prev_g = host, gpu
+    finally:
+        hook.remove()
+        tr.optimizer.step = step
+    print(f"phase times over {steps} steps (ms per occurrence; host = enqueueing, GPU = until its work was done):")
+    for name, (n, host, gpu, behind) in sums.items():
+        print(f"  {name:20s} x{n / steps:.0f}/step  host {host / n:7.2f}  GPU {gpu / n:7.2f}  GPU behind the host at its end "
+              f"{behind / n:7.2f}")
 
 
 def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
@@ -54,6 +103,52 @@ def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
     print("GPU idle per place (kernel before -> kernel after), largest total first:")
     for (before, after), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / 1e3 / steps:8.2f} ms per step in {n / steps:5.1f} gaps  {before[:50]} -> {after[:50]}")
+
+
+def print_idle_by_thread(prof, steps: int, min_us: float = 5.0) -> None:
+    """GPU idle time split by the host thread that launched the kernel ending each gap: the main thread
+    (forward, optimizer) or autograd's device thread (backward). A thread whose kernels start right after
+    their launch (small lag) and follow idle gaps is the one the GPU waits for. Matches each kernel to its
+    launch through the CUDA runtime's correlation id."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        print("idle by thread: this torch's profiler does not expose kineto events")
+        return
+    launches, kernels, backward_threads = {}, [], set()
+    for e in events:
+        if e.device_type() == DeviceType.CUDA:
+            kernels.append(e)
+        else:
+            name = e.name()
+            if name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemsetAsync", "cudaMemcpyAsync")):
+                launches[e.correlation_id()] = e
+            elif name.startswith("autograd::engine::evaluate_function"):
+                backward_threads.add(e.start_thread_id())
+    kernels.sort(key=lambda e: e.start_ns())
+    stats, end, unmatched = {}, None, 0
+    for k in kernels:
+        launch = launches.get(k.correlation_id()) or launches.get(k.linked_correlation_id())
+        if launch is None:
+            unmatched += 1
+            end = max(end or 0, k.end_ns())
+            continue
+        tid = launch.start_thread_id()
+        st = stats.setdefault(tid, {"kernels": 0, "idle_ns": 0, "gaps": 0, "lags": []})
+        st["kernels"] += 1
+        st["lags"].append(k.start_ns() - launch.start_ns())
+        if end is not None and k.start_ns() - end >= min_us * 1e3:
+            st["idle_ns"] += k.start_ns() - end
+            st["gaps"] += 1
+        end = k.end_ns() if end is None else max(end, k.end_ns())
+    print(f"GPU idle (gaps >= {min_us:.0f} us) by the host thread that launched the next kernel"
+          f"{f' ({unmatched} kernels without a matched launch)' if unmatched else ''}:")
+    for tid, st in sorted(stats.items(), key=lambda kv: -kv[1]["kernels"]):
+        lags = sorted(st["lags"])
+        role = "backward (autograd)" if tid in backward_threads else "main (forward, optimizer)"
+        print(f"  thread {tid} {role}: {st['kernels'] / steps:.0f} kernels per step, idle {st['idle_ns'] / 1e6 / steps:.1f} ms "
+              f"per step in {st['gaps'] / steps:.0f} gaps; launch-to-start lag median {lags[len(lags) // 2] / 1e3:.0f} us, "
+              f"10th percentile {lags[len(lags) // 10] / 1e3:.0f} us")
 
 
 def print_host_profile(tr, it, steps: int, top: int = 40) -> None:
@@ -84,12 +179,17 @@ def main():
     host_profile = "--host-profile" in argv
     if host_profile:
         argv.remove("--host-profile")
+    phase_times = "--phase-times" in argv
+    if phase_times:
+        argv.remove("--phase-times")
     cfg = parse_args(argv)
     tr = Trainer(cfg)
     it = tr.data_iterators().train
     for _ in range(5):
         tr.train_step(tr._next_micro_batches(it))
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
+    if phase_times and tr.device.type == "cuda":
+        print_phase_times(tr, it, steps)
     if host_profile:
         print_host_profile(tr, it, steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
@@ -113,6 +213,7 @@ def main():
               f"profiler overhead included in the wall time); without the profiler {plain * 1e3:.1f} ms per step "
               f"({100 * busy / (plain * 1e3):.0f}% busy)")
         print_gaps(prof, steps)
+        print_idle_by_thread(prof, steps)
     tr.close()
 
 

@@ -127,6 +127,13 @@ class PrecisionConfig:
     fp8_recipe: str = _f("coat", "With --fp8-format: tensorwise = FP8 GEMMs with just-in-time per-tensor scaling and bf16 "
                                  "saved activations; coat = the same GEMMs plus COAT's FP8 activation storage.",
                          choices=["tensorwise", "coat"])
+    fp8_weight_cache: str = _f(
+        "auto", "With --fp8-format: step = keep each linear weight's FP8 copies (W and W^T, 2 bytes per element) for "
+                "the whole optimizer step, remade once after it; none = cast the weight at each use (forward, and W^T "
+                "again in backward: no extra memory, more launches and traffic per micro-batch); auto = step unless a "
+                "step has one micro-batch under --overlap-param-gather (each layer then waits for its weights: the "
+                "copies could not be made ahead).",
+        choices=["auto", "step", "none"])
     gradient_accumulation_fusion: bool = _f(
         True, "The weight-gradient GEMM accumulates straight into the fp32 (or bf16) main gradient buffer "
               "(where supported: CUDA; elsewhere the gradient is added after the GEMM).")
@@ -474,6 +481,8 @@ def _method_errors(cfg: MegacoatConfig) -> list:
     o, pr, c, p = cfg.optim, cfg.precision, cfg.comm, cfg.parallel
     if pr.fp8_format is not None and cfg.train.fp32:
         errors.append("--fp8-format needs bf16 parameters: drop --fp32 (or use --bf16).")
+    if pr.fp8_format is None and pr.fp8_weight_cache != "auto":
+        errors.append("--fp8-weight-cache needs --fp8-format (it chooses how FP8 weight copies are kept).")
     if not o.use_precision_aware_optimizer and (o.exp_avg_dtype != "fp32" or o.exp_avg_sq_dtype != "fp32"):
         errors.append("--exp-avg-dtype / --exp-avg-sq-dtype need --use-precision-aware-optimizer.")
     zero_flags = [f for f, on in (("--quantized-weights", c.quantized_weights),

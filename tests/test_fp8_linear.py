@@ -160,15 +160,24 @@ def test_transient_weights_give_the_same_numbers_and_keep_nothing():
         assert torch.equal(a, b)
 
 
-def test_recipe_caches_weights_only_with_several_micro_batches():
+def test_recipe_keeps_weight_copies_unless_one_micro_batch_waits_for_overlapped_gathers():
     from megacoat.config import PrecisionConfig, TrainingConfig
     from megacoat.precision.recipe import resolve_precision
 
     pr = PrecisionConfig(fp8_format="hybrid", fp8_recipe="coat")
+
+    def keeps(n, overlap, choice="auto"):
+        p = PrecisionConfig(fp8_format="hybrid", fp8_recipe="coat", fp8_weight_cache=choice)
+        return resolve_precision(TrainingConfig(), torch.device("cpu"), precision=p, num_microbatches=n,
+                                 overlap_param_gather=overlap).fp8.cache_weights
+
+    assert keeps(1, False) and keeps(4, False) and keeps(4, True) and not keeps(1, True)
+    assert all(keeps(n, o, "step") for n in (1, 4) for o in (False, True))
+    assert not any(keeps(n, o, "none") for n in (1, 4) for o in (False, True))
+    with pytest.raises(ValueError, match="--fp8-weight-cache 'always'"):
+        keeps(1, False, "always")
     one = resolve_precision(TrainingConfig(), torch.device("cpu"), precision=pr, num_microbatches=1)
-    many = resolve_precision(TrainingConfig(), torch.device("cpu"), precision=pr, num_microbatches=4)
     assert one.params_dtype == torch.bfloat16 and one.name == "fp8"  # FP8 makes bf16 the default on CPU
-    assert not one.fp8.cache_weights and many.fp8.cache_weights
     assert one.fp8.grad_format == "e5m2" and one.fp8.fp8_activations
     e4 = resolve_precision(TrainingConfig(), torch.device("cpu"),
                            precision=PrecisionConfig(fp8_format="e4m3", fp8_recipe="tensorwise"))

@@ -169,6 +169,25 @@ def test_compiled_fp8_layer_tp2_sp_fullgraph_equals_eager():
     run_distributed(_compiled_layer_equals_eager, 2, 2, True)
 
 
+def test_fp8_weight_cache_none_keeps_no_copies():
+    """--fp8-weight-cache none: no layer keeps FP8 weight copies (each use casts), and training runs."""
+    from megacoat.config import parse_args
+    from megacoat.precision.linear import _fp8_caches
+    from megacoat.training.trainer import Trainer
+    flags = TINY + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3", "--fp8-format", "hybrid",
+                    "--fp8-recipe", "coat", "--bf16", "--fp8-weight-cache", "none"]
+    tr = Trainer(parse_args(flags))
+    try:
+        it = tr.data_iterators().train
+        for _ in range(2):
+            rec = tr.train_step(tr._next_micro_batches(it))
+        caches = list(_fp8_caches(tr.model))
+        assert caches and all(not c.persistent and c.wq is None for _, c in caches)
+        assert bool(rec.success_t) and torch.isfinite(rec.loss_t).all()
+    finally:
+        tr.close()
+
+
 def test_overlapped_parameter_gather_leaves_fp8_weight_copies_to_each_layer():
     """--overlap-param-gather: the weights are complete only when each layer's gather is waited for, so the
     copies stay stale after the step and each layer remakes its own before its forward."""
@@ -188,18 +207,20 @@ def test_overlapped_parameter_gather_leaves_fp8_weight_copies_to_each_layer():
         tr.close()
 
 
-@pytest.mark.parametrize("zero", [False, True])
-def test_trainer_remakes_kept_fp8_weight_copies_right_after_the_step(zero):
-    """Several micro-batches per step: the FP8 weight copies are kept, and the trainer remakes them right after
-    the optimizer step (not before each layer's first forward); they equal a fresh quantization of the updated
-    weights, and the next forward remakes nothing."""
+@pytest.mark.parametrize("zero,global_batch", [(False, 4), (True, 4), (False, 2)])
+def test_trainer_remakes_kept_fp8_weight_copies_right_after_the_step(zero, global_batch):
+    """Kept FP8 weight copies (--fp8-weight-cache auto: several micro-batches per step, or one without an
+    overlapped parameter gather): the trainer remakes them right after the optimizer step (not before each
+    layer's first forward); they equal a fresh quantization of the updated weights, and the next forward
+    remakes nothing."""
     from megacoat.config import parse_args
     from megacoat.precision import fp8 as F
     from megacoat.precision.linear import Fp8WeightCache, _fp8_caches
     from megacoat.training.trainer import Trainer
-    flags = TINY + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3", "--fp8-format", "hybrid",
-                    "--fp8-recipe", "coat", "--bf16"]
+    flags = TINY + ["--train-iters", "2", "--global-batch-size", str(global_batch), "--lr", "1e-3",
+                    "--fp8-format", "hybrid", "--fp8-recipe", "coat", "--bf16"]
     tr = Trainer(parse_args(flags + (["--use-distributed-optimizer"] if zero else [])))
+    assert tr.step_micro_batches() == global_batch // 2
     try:
         it = tr.data_iterators().train
         tr.train_step(tr._next_micro_batches(it))

@@ -118,4 +118,6 @@ def test_config_flags_and_resolution():
         validate_config(parse_args(["--num-query-groups", "2"]), 1)
     with pytest.raises(ConfigError, match="--mock-data conflicts"):
         validate_config(parse_args(["--mock-data", "--data-path", "X"]), 1)
+    with pytest.raises(ConfigError, match="--fp8-weight-cache needs --fp8-format"):
+        validate_config(parse_args(["--fp8-weight-cache", "step"]), 1)
 

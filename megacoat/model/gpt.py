@@ -14,7 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
-from ..precision.linear import refresh_fp8_weights
+from ..precision.linear import fp8_cache_pairs, refresh_fp8_weights
 from .rope import RotaryEmbedding
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
@@ -85,6 +85,9 @@ class GPTModel(nn.Module):
         self.pre_backward_hook = None
         # --recompute-granularity full: which layers recompute their forward in backward (set by the trainer).
         self.recompute_plan = None
+        # Per layer, its FP8 linears and their weight caches (kept FP8 weight copies only; found once).
+        self._fp8_pairs = ([fp8_cache_pairs(layer) for layer in self.layers]
+                           if lc.fp8 is not None and lc.fp8.cache_weights else None)
 
     def _before(self, module: nn.Module) -> None:
         if self.pre_module_hook is not None:
@@ -134,13 +137,15 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
         plan = self.recompute_plan or RecomputePlan("none")
+        index = 0  # of the layer in self.layers (groups come in order)
         for recomputed, group in plan.layer_groups(self.layers):
             for layer in group:
                 self._before(layer)
-                if self.lc.fp8 is not None and self.lc.fp8.cache_weights:
-                    # FP8 weight copies, once per optimizer step, outside compiled code (without caches, one
-                    # micro-batch per step, nothing to do: the walk over the layer's modules is host time)
-                    refresh_fp8_weights(layer)
+                if self._fp8_pairs is not None:
+                    # Kept FP8 weight copies: remade here, outside compiled code, if stale (the trainer
+                    # usually remade them all right after the optimizer step; this is then a quick check)
+                    refresh_fp8_weights(self._fp8_pairs[index])
+                index += 1
             x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
                                                       self.lc.rng), *group)
         if not self.post_process:

@@ -27,8 +27,8 @@ class Fp8Recipe:
     fwd_format: str = "e4m3"
     grad_format: str = "e5m2"
     fp8_activations: bool = True  # coat; False: tensorwise
-    # Keep each weight's FP8 copy (W and W^T, 2 bytes/element) for the whole step: pays when a step has
-    # several micro-batches; with one, casting per use saves the memory (resolve_precision decides).
+    # Keep each weight's FP8 copy (W and W^T, 2 bytes/element) for the whole step (--fp8-weight-cache;
+    # resolve_precision decides under auto).
     cache_weights: bool = True
 
     @property
@@ -75,12 +75,28 @@ def resolve_fp8(pr: PrecisionConfig) -> Optional[Fp8Recipe]:
     return Fp8Recipe("e4m3", "e5m2" if pr.fp8_format == "hybrid" else "e4m3", pr.fp8_recipe == "coat")
 
 
+def keep_fp8_weights(choice: str, num_microbatches: int, overlap_param_gather: bool) -> bool:
+    """--fp8-weight-cache: whether each linear keeps its FP8 weight copies for the whole step. `auto` keeps them
+    when they pay: several micro-batches reuse them, or the trainer can make them all right after the optimizer
+    step (their launches then overlap the optimizer's kernels instead of adding host time to the forward, and one
+    cast makes W and W^T where per-use casting reads W twice). Under --overlap-param-gather a step of one
+    micro-batch casts per use: each layer's weights arrive just before its forward, so keeping copies would only
+    cost memory."""
+    if choice not in ("auto", "step", "none"):
+        raise ValueError(f"--fp8-weight-cache {choice!r}: use auto, step or none")
+    if choice != "auto":
+        return choice == "step"
+    return num_microbatches > 1 or not overlap_param_gather
+
+
 def resolve_precision(t: TrainingConfig, device: torch.device, grad_reduce_in_bf16: bool = False,
-                      precision: Optional[PrecisionConfig] = None, num_microbatches: int = 1) -> PrecisionRecipe:
+                      precision: Optional[PrecisionConfig] = None, num_microbatches: int = 1,
+                      overlap_param_gather: bool = False) -> PrecisionRecipe:
     grad = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
     fp8 = resolve_fp8(precision) if precision is not None else None
     if fp8 is not None:
-        fp8 = replace(fp8, cache_weights=num_microbatches > 1)
+        fp8 = replace(fp8, cache_weights=keep_fp8_weights(precision.fp8_weight_cache, num_microbatches,
+                                                          overlap_param_gather))
     if fp8 is not None and t.fp32:
         raise ValueError("--fp8-format needs bf16 parameters: drop --fp32 (or use --bf16).")
     if t.bf16 or fp8 is not None:

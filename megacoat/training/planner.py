@@ -193,7 +193,7 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
         ctx0 = ParallelContext.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, META,
                                      p.ranks_per_node)
         recipe = resolve_precision(cfg.train, target, p.grad_reduce_in_bf16, cfg.precision,
-                                   num_microbatches(cfg, ctx0.dp_size))
+                                   num_microbatches(cfg, ctx0.dp_size), p.overlap_param_gather)
         padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, ctx0.tp_size)
         lc = LayerContext(ctx0.tp_group, p.sequence_parallel, None, recipe.params_dtype, META, cfg.train.seed,
                           fp8=recipe.fp8)

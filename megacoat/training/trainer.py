@@ -142,7 +142,7 @@ class Trainer:
                                          cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes,
                                          cfg.parallel.high_priority_stream_groups)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
-                                        num_microbatches(cfg, self.ctx.dp_size))
+                                        num_microbatches(cfg, self.ctx.dp_size), cfg.parallel.overlap_param_gather)
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
         # drawn from (seed, parameter name) generators, so they do not depend on it.
         self.rng = seed_everything(cfg.train.seed + 100 * self.ctx.pp_rank, self.ctx.tp_rank, self.device)
@@ -235,7 +235,7 @@ class Trainer:
         return rec
 
     def _remake_fp8_weights(self) -> None:
-        """The weights changed: their FP8 copies are stale. With kept copies (several micro-batches per step)
+        """The weights changed: their FP8 copies are stale. With kept copies (--fp8-weight-cache)
         and the weights complete now (no parameter all-gather still overlapping the next forward), remake
         them at once: their launches then overlap the optimizer kernels on the GPU, instead of taking host
         time before each layer's first forward, where a step at this size waits on the host. Otherwise each
