@@ -141,6 +141,10 @@ def print_idle_by_thread(prof, steps: int, min_us: float = 5.0) -> None:
             st["idle_ns"] += k.start_ns() - end
             st["gaps"] += 1
         end = k.end_ns() if end is None else max(end, k.end_ns())
+    try:
+        _explain_gaps(kernels, launches, events, steps)
+    except Exception as exc:  # a diagnostic: never lose the rest of the report to it
+        print(f"gap explanation failed: {exc!r}")
     print(f"GPU idle (gaps >= {min_us:.0f} us) by the host thread that launched the next kernel"
           f"{f' ({unmatched} kernels without a matched launch)' if unmatched else ''}:")
     for tid, st in sorted(stats.items(), key=lambda kv: -kv[1]["kernels"]):
@@ -149,6 +153,46 @@ def print_idle_by_thread(prof, steps: int, min_us: float = 5.0) -> None:
         print(f"  thread {tid} {role}: {st['kernels'] / steps:.0f} kernels per step, idle {st['idle_ns'] / 1e6 / steps:.1f} ms "
               f"per step in {st['gaps'] / steps:.0f} gaps; launch-to-start lag median {lags[len(lags) // 2] / 1e3:.0f} us, "
               f"10th percentile {lags[len(lags) // 10] / 1e3:.0f} us")
+
+
+def _explain_gaps(kernels, launches, events, steps: int, top: int = 15, min_us: float = 50.0) -> None:
+    """For the largest GPU idle gaps: when the next kernel was launched (lag: launch to start; small = the GPU
+    waited for this launch) and what the launching thread did between the previous kernel's launch and this
+    one (its longest host events there: a sync, an allocation, Python work)."""
+    by_thread = {}
+    for e in events:
+        if e.device_type() != DeviceType.CUDA and e.duration_ns() > 0:
+            by_thread.setdefault(e.start_thread_id(), []).append(e)
+    gaps, prev, end = [], None, None
+    for k in kernels:
+        if end is not None and k.start_ns() - end >= min_us * 1e3:
+            gaps.append((k.start_ns() - end, prev, k))
+        if end is None or k.end_ns() > end:
+            end, prev = k.end_ns(), k
+    # Host runtime calls that wait for the device or the allocator, per step: what drains the GPU's queue.
+    waits = {}
+    for e in events:
+        n = e.name()
+        if e.device_type() != DeviceType.CUDA and (("Synchronize" in n) or n.startswith(("cudaMalloc", "cudaFree", "cudaMemcpy ", "cudaHostAlloc"))
+                                                   or n in ("cudaMemcpy", "aten::_local_scalar_dense", "aten::item")):
+            c, t = waits.get(n, (0, 0))
+            waits[n] = (c + 1, t + e.duration_ns())
+    print("host calls that can drain the GPU queue (per step): " + (", ".join(
+        f"{n} x{c / steps:.1f} {t / 1e6 / steps:.2f} ms" for n, (c, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])) or "none"))
+    print(f"largest GPU idle gaps with what the launching thread did before the next launch:")
+    for g, before, k in sorted(gaps, key=lambda t: -t[0])[:top]:
+        lk = launches.get(k.correlation_id()) or launches.get(k.linked_correlation_id())
+        lb = before is not None and (launches.get(before.correlation_id()) or launches.get(before.linked_correlation_id()))
+        if lk is None:
+            print(f"  {g / 1e3:7.0f} us before {k.name()[:50]} (launch not found)")
+            continue
+        lo = lb.start_ns() if lb and lb.start_thread_id() == lk.start_thread_id() else lk.start_ns() - int(g)
+        inside = [e for e in by_thread.get(lk.start_thread_id(), ())
+                  if e.start_ns() >= lo and e.end_ns() <= lk.start_ns() and e is not lk]
+        inside.sort(key=lambda e: -e.duration_ns())
+        what = "; ".join(f"{e.name()[:40]} {e.duration_ns() / 1e3:.0f} us" for e in inside[:4])
+        print(f"  {g / 1e3:7.0f} us before {k.name()[:40]} (lag {(k.start_ns() - lk.start_ns()) / 1e3:.0f} us, "
+              f"{(lk.start_ns() - lo) / 1e3:.0f} us since the previous launch): {what}")
 
 
 def print_host_profile(tr, it, steps: int, top: int = 40) -> None:

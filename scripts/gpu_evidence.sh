@@ -37,7 +37,13 @@ C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 320
 mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
     | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs" | cut -c1-600 | tee -a $LOG
-  python3 -c "import json,sys; r=[json.loads(l) for l in open('/tmp/$name.jsonl')]; r=r[-1]; r['run']='megacoat $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
+  python3 -c "
+import json
+rs = [json.loads(l) for l in open('/tmp/$name.jsonl')]
+r = rs[-1]; r['run'] = 'megacoat $name'
+warm = [x['tokens_per_s'] for x in rs if x.get('iteration', 0) > 10 and 'tokens_per_s' in x]  # after compilation
+if warm: r['tokens_per_s_mean_after_10'] = sum(warm) / len(warm); print('   mean tokens/s after iteration 10:', round(r['tokens_per_s_mean_after_10']))
+open('$J', 'a').write(json.dumps(r) + '\\n')" 2>/dev/null | tee -a $LOG; }
 peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 benchmarks/peer_plain_llama.py "$@" --json /tmp/p.jsonl 2>&1 | tail -1 | tee -a $LOG
   tail -1 /tmp/p.jsonl | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['run']='peer $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
@@ -137,11 +143,11 @@ if has eager; then
 fi
 c1() { [[ " ${C1_RUNS:-bf16 tensorwise coat bf16_gbs32 tensorwise_gbs32 coat_gbs32 torchao coat_fp8states} " == *" $1 "* ]]; }
 if has coat1; then
-  c1 bf16 && mc c1_bf16${C1_TAG:-} 20 $M1
-  c1 tensorwise && mc c1_tensorwise${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe tensorwise
-  c1 coat && mc c1_coat${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
+  c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
+  c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
+  c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
   # FP8 weights cast at each use instead of kept for the step (only when named)
-  c1 coat_castperuse && mc c1_coat_castperuse${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none
+  c1 coat_castperuse && mc c1_coat_castperuse${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
   # Inductor's CUDA graphs for the compiled layers (an experiment: is the step host-bound?)
   c1 bf16_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_bf16_cudagraphs${C1_TAG:-} 20 $M1
