@@ -1,6 +1,6 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
@@ -8,6 +8,7 @@ kernels add up to much less than its wall time is waiting on the host (launch ov
 `--host-profile` also runs the steps under cProfile and prints the Python functions (and the C++ calls
 they make) that take the host's time: where a host-bound step spends it. `--phase-times` (GPU) times the
 forward, backward and optimizer phases on the host and on the GPU, without the profiler's overhead.
+`--guard-ab` times steps with dynamo's guard evaluation skipped between two plain runs (a host-time probe).
 """
 import sys
 import time
@@ -226,11 +227,21 @@ def main():
     phase_times = "--phase-times" in argv
     if phase_times:
         argv.remove("--phase-times")
+    guard_ab = "--guard-ab" in argv
+    if guard_ab:
+        argv.remove("--guard-ab")
     cfg = parse_args(argv)
     tr = Trainer(cfg)
     it = tr.data_iterators().train
     for _ in range(5):
         tr.train_step(tr._next_micro_batches(it))
+    if guard_ab:  # is host time a limit? the same steps with dynamo's guard evaluation skipped, in between
+        a = _timed_steps(tr, it, steps)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            b = _timed_steps(tr, it, steps)
+        c = _timed_steps(tr, it, steps)
+        print(f"guard A/B/A over {steps} steps each: {a * 1e3:.1f} / {b * 1e3:.1f} (skip_guard_eval_unsafe) / "
+              f"{c * 1e3:.1f} ms per step")
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
     if phase_times and tr.device.type == "cuda":
         print_phase_times(tr, it, steps)

@@ -35,8 +35,15 @@ M1="--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-he
 M7="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --micro-batch-size 2 --global-batch-size 2"
 C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 32000 --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 5 --eval-interval 0 --eval-iters 0 --untie-embeddings-and-output-weights --bf16"
 mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
+  # SMI=1: sample the SM clock and power while it runs (is a busier FP8 step slowed by the power limit?)
+  [ "${SMI:-0}" = 1 ] && { nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 > /tmp/smi_$name.csv & smi=$!; }
   timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
     | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs" | cut -c1-600 | tee -a $LOG
+  if [ "${SMI:-0}" = 1 ]; then kill $smi; python3 -c "
+import statistics as st
+rows = [[float(v) for v in l.split(',')] for l in open('/tmp/smi_$name.csv') if l.count(',') == 2 and 'N/A' not in l]
+busy = [r for r in rows if r[2] >= 90]
+if busy: print(f'   while >= 90% busy ({len(busy)} samples): SM clock median {st.median(r[0] for r in busy):.0f} MHz (min {min(r[0] for r in busy):.0f}), power median {st.median(r[1] for r in busy):.0f} W (max {max(r[1] for r in busy):.0f})')" 2>&1 | tee -a $LOG; fi
   python3 -c "
 import json
 rs = [json.loads(l) for l in open('/tmp/$name.jsonl')]
