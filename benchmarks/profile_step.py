@@ -231,6 +231,10 @@ def main():
     if guard_ab:
         argv.remove("--guard-ab")
     cfg = parse_args(argv)
+    needed = 5 + steps * (2 + phase_times + host_profile + 3 * guard_ab)  # warm-up, plain, profiled, probes
+    if cfg.train.train_iters is not None and cfg.train.train_iters < needed:
+        raise SystemExit(f"profile_step.py runs {needed} steps here: pass --train-iters {needed} or more "
+                         f"(the data iterator is sized by it)")
     tr = Trainer(cfg)
     it = tr.data_iterators().train
     for _ in range(5):

@@ -206,7 +206,7 @@ if has prof; then  # PROF_RUNS (bf16 and/or FP8 recipes) profiled at 1.36B with 
   for v in ${PROF_RUNS:-bf16 coat}; do
     late prof_$v && continue; echo "== profile 1.36B $v ${PROFILE_ARGS:-} $(el)" | tee -a $LOG
     extra=""; [ $v != bf16 ] && extra="--fp8-format hybrid --fp8-recipe $v"
-    timeout 150 python3 benchmarks/profile_step.py $C $M1 $extra ${PROFILE_ARGS:-} --train-iters 20 --log-interval 100 \
+    timeout 150 python3 benchmarks/profile_step.py $C $M1 $extra ${PROFILE_ARGS:-} --train-iters ${PROF_ITERS:-20} --log-interval 100 \
       --profile-steps ${PROFILE_STEPS:-3} 2>&1 | grep -v "^  [a-z_0-9]* \.\." | tail -${PROF_LINES:-80} > $OUT/prof_$v${C1_TAG:-}.txt
     grep -A3 "^per step" $OUT/prof_$v${C1_TAG:-}.txt | tee -a $LOG
   done
