@@ -1,6 +1,6 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--no-profiler]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
@@ -230,8 +230,11 @@ def main():
     guard_ab = "--guard-ab" in argv
     if guard_ab:
         argv.remove("--guard-ab")
+    use_profiler = "--no-profiler" not in argv  # --no-profiler: only the timings above
+    if not use_profiler:
+        argv.remove("--no-profiler")
     cfg = parse_args(argv)
-    needed = 5 + steps * (2 + phase_times + host_profile + 3 * guard_ab)  # warm-up, plain, profiled, probes
+    needed = 5 + steps * (1 + use_profiler + phase_times + host_profile + 3 * guard_ab)  # warm-up, plain, profiled, probes
     if cfg.train.train_iters is not None and cfg.train.train_iters < needed:
         raise SystemExit(f"profile_step.py runs {needed} steps here: pass --train-iters {needed} or more "
                          f"(the data iterator is sized by it)")
@@ -247,6 +250,10 @@ def main():
         print(f"guard A/B/A over {steps} steps each: {a * 1e3:.1f} / {b * 1e3:.1f} (skip_guard_eval_unsafe) / "
               f"{c * 1e3:.1f} ms per step")
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
+    if not use_profiler:
+        print(f"per step without the profiler: {plain * 1e3:.1f} ms")
+        tr.close()
+        return
     if phase_times and tr.device.type == "cuda":
         print_phase_times(tr, it, steps)
     if host_profile:
