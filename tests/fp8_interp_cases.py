@@ -80,6 +80,29 @@ def test_amax_many_programs():
     assert K.amax_into(x, out).item() == 2000.0
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_many_tensors_in_two_launches_equal_one_at_a_time(fmt):
+    """The weight refresh's multi-tensor amax and cast: the same amax, scales and codes (both layouts) as the
+    one-tensor kernels, for odd shapes, a tensor larger than one amax program, and a tiny one."""
+    shapes = [(37, 50), (19, 16), (130, 7), (1, 1), (K.AMAX_BLOCK * K.AMAX_ITERS // 64 + 3, 64)]
+    xs = [_data(sh, 20 + i, scale=10.0 ** (i - 2)) for i, sh in enumerate(shapes)]
+    dt = fp8.get_format(fmt).dtype
+    qs = [torch.empty(x.shape, dtype=dt) for x in xs]
+    qts = [torch.empty(x.shape[::-1], dtype=dt) for x in xs]
+    scales = [torch.empty(()) for _ in xs]
+    plan = K.MultiCastPlan(xs, qs, qts, scales, fmt)
+    K.quantize_tensorwise_many(plan)
+    for i, x in enumerate(xs):
+        amax = K.amax(x)
+        assert plan.amax[i].item() == amax.item() == x.float().abs().max().item()
+        q, qt, s = K.cast_tensorwise(x, amax, fmt, True)
+        assert torch.equal(scales[i], s)
+        assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(qts[i].view(torch.uint8), qt.view(torch.uint8))
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        K.MultiCastPlan([xs[0].t()], qs[:1], qts[:1], scales[:1], fmt)
+
+
 @pytest.mark.parametrize("rms", [True, False])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(19, 72), (2, 9, 40)])

@@ -125,6 +125,50 @@ def test_quantizers_bit_exact(shape, fmt):
     assert_same(ps, scale_ref, "public quantize_tensorwise scale")
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_many_weights_in_two_launches_bit_exact(fmt):
+    """The weight refresh's multi-tensor amax and cast (kernels.fp8.quantize_tensorwise_many) against the
+    reference per tensor: odd shapes, the 1.36B model's weight shapes, an all-zero weight, mixed magnitudes;
+    garbage in the buffers first; a second call reuses the plan and sees new values."""
+    shapes = [(37, 50), (6144, 2048), (1, 16), (11264, 2048), (2048, 5632), (130, 7), (40, 3)]
+    xs = [(_data(sh, 30 + i) * 10.0 ** (i % 3 - 1)).contiguous() for i, sh in enumerate(shapes)]
+    xs[-1].zero_()
+    dt = fp8.get_format(fmt).dtype
+    qs = [torch.full(x.shape, 3.0, device=DEV).to(dt) for x in xs]
+    qts = [torch.full(x.shape[::-1], -5.0, device=DEV).to(dt) for x in xs]
+    scales = [torch.full((), 7.0, device=DEV) for _ in xs]
+    plan = fp8.quantize_tensorwise_many(xs, fmt, qs, qts, scales)
+    assert plan is not None  # the kernels ran
+    for step in range(2):
+        for i, x in enumerate(xs):
+            q_ref, qt_ref, s_ref = fp8.cast_tensorwise_reference(x, fp8.amax_reference(x), fmt, True)
+            assert_same(scales[i], s_ref, f"tensor {i} scale (call {step})")
+            assert_same(qs[i], q_ref, f"tensor {i} codes (call {step})")
+            assert_same(qts[i], qt_ref, f"tensor {i} transposed codes (call {step})")
+        for x in xs:
+            x.mul_(1.5)
+        again = fp8.quantize_tensorwise_many(xs, fmt, qs, qts, scales, plan)
+        assert again is plan  # same tensors and buffers: the tables are reused
+
+
+def test_weight_refresher_equals_one_cache_at_a_time():
+    """Fp8WeightRefresher (the trainer's, after each step) leaves every cache as cache.refresh would."""
+    from megacoat.config import ModelConfig
+    from megacoat.model.transformer import LayerContext, TransformerLayer
+    from megacoat.precision.linear import Fp8WeightRefresher, _fp8_caches
+    m = ModelConfig(hidden_size=256, num_attention_heads=4, ffn_hidden_size=704, num_query_groups=4, kv_channels=64)
+    lc = LayerContext(None, False, None, torch.bfloat16, torch.device(DEV), 3, fp8=Fp8Recipe())
+    layers = torch.nn.ModuleList(TransformerLayer(m, lc, i) for i in range(2))
+    refresher = Fp8WeightRefresher(layers)
+    refresher()
+    for mod, c in _fp8_caches(layers):
+        assert not c.needs_refresh(mod.weight)
+        ref = Fp8WeightCache(c.fmt)
+        ref.refresh(mod.weight)
+        for got, want, what in ((c.wq, ref.wq, "W"), (c.wqt, ref.wqt, "W^T"), (c.scale, ref.scale, "scale")):
+            assert_same(got, want, f"refreshed {what}")
+
+
 def test_quantizer_edges():
     """Zeros (scale EPS / max, codes 0), an exact power of two, values that saturate with a stale amax."""
     z = torch.zeros(3, 40, device=DEV, dtype=torch.bfloat16)

@@ -231,12 +231,12 @@ def test_trainer_remakes_kept_fp8_weight_copies_right_after_the_step(zero, globa
             assert torch.equal(c.wq.view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(c.wqt.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(c.scale, s)
         remade = []
-        orig = Fp8WeightCache.refresh
-        Fp8WeightCache.refresh = lambda self, w: remade.append(1) or orig(self, w)
+        orig = Fp8WeightCache.mark_fresh
+        Fp8WeightCache.mark_fresh = lambda self, w: remade.append(1) or orig(self, w)
         try:
             tr.train_step(tr._next_micro_batches(it))
         finally:
-            Fp8WeightCache.refresh = orig
+            Fp8WeightCache.mark_fresh = orig
         assert len(remade) == len(caches)  # once each, after the second step; none in its forward
     finally:
         tr.close()

@@ -98,6 +98,76 @@ def _check_out(t: torch.Tensor, shape, dtype: torch.dtype, name: str) -> None:
                          f"got {t.dtype} {tuple(t.shape)}")
 
 
+class MultiCastPlan:
+    """The descriptor tables with which `quantize_tensorwise_many` quantizes a fixed set of contiguous 2-D
+    tensors into fixed buffers in two launches (after one zero-fill): per tensor its address, size and
+    output addresses; per program its tensor and block (amax) or tile (cast). Built once and reused while
+    `key` (the addresses and shapes) stays the same: the weights of a model and their FP8 caches."""
+
+    def __init__(self, xs, qs, qts, scales, fmt: str):
+        if not xs:
+            raise ValueError("quantize_tensorwise_many needs at least one tensor")
+        dev, dt, qdt = xs[0].device, xs[0].dtype, FP8_DTYPE[fmt]
+        for i, (x, q, qt, s) in enumerate(zip(xs, qs, qts, scales)):
+            if x.dim() != 2 or not x.is_contiguous() or x.dtype != dt or x.device != dev:
+                raise ValueError(f"quantize_tensorwise_many: tensor {i} must be a contiguous 2-D {dt} tensor on {dev}, "
+                                 f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+            _check_out(q, tuple(x.shape), qdt, "q")
+            _check_out(qt, (x.shape[1], x.shape[0]), qdt, "qt")
+            _check_out(s, (), torch.float32, "scale")
+        self.fmt, self.n, self.x_dtype = fmt, len(xs), dt
+        self.key = self.key_of(xs, qs, qts, scales, fmt)
+        bm, bk, _ = TILES["cast"]
+        per_prog = AMAX_BLOCK * AMAX_ITERS
+        amax_t, amax_b, cast_t, cast_tile = [], [], [], []
+        for t, x in enumerate(xs):
+            m, k = x.shape
+            progs = triton_cdiv(x.numel(), per_prog)
+            amax_t += [t] * progs
+            amax_b += [i * AMAX_ITERS for i in range(progs)]
+            tiles = triton_cdiv(m, bm) * triton_cdiv(k, bk)
+            cast_t += [t] * tiles
+            cast_tile += list(range(tiles))
+
+        def table(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev)
+
+        self.x_table = table([x.data_ptr() for x in xs], torch.int64)
+        self.q_table = table([q.data_ptr() for q in qs], torch.int64)
+        self.qt_table = table([qt.data_ptr() for qt in qts], torch.int64)
+        self.scale_table = table([s.data_ptr() for s in scales], torch.int64)
+        self.numel = table([x.numel() for x in xs], torch.int64)
+        self.m = table([x.shape[0] for x in xs], torch.int32)
+        self.k = table([x.shape[1] for x in xs], torch.int32)
+        self.amax_tensor, self.amax_block = table(amax_t, torch.int32), table(amax_b, torch.int32)
+        self.cast_tensor, self.cast_tile = table(cast_t, torch.int32), table(cast_tile, torch.int32)
+        self.amax = torch.zeros(len(xs), dtype=torch.float32, device=dev)  # max |x_t| of the last launch
+        # The tensors themselves: the tables hold their addresses, so they must outlive the plan.
+        self._keep = (list(xs), list(qs), list(qts), list(scales))
+
+    @staticmethod
+    def key_of(xs, qs, qts, scales, fmt: str):
+        return (fmt, tuple((x.data_ptr(), tuple(x.shape), x.dtype, q.data_ptr(), qt.data_ptr(), s.data_ptr())
+                           for x, q, qt, s in zip(xs, qs, qts, scales)))
+
+
+def quantize_tensorwise_many(plan: MultiCastPlan) -> None:
+    """Every tensor of the plan quantized per tensor (just-in-time scale) into its q, qt and scale: the
+    results of `cast_tensorwise(x, amax(x), fmt, True, out=(q, qt, scale))` per tensor, in two launches."""
+    import triton.language as tl
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    q_dtype = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}[plan.fmt]
+    plan.amax.zero_()
+    _k().multi_amax_kernel[(plan.amax_tensor.numel(),)](
+        plan.x_table, plan.numel, plan.amax_tensor, plan.amax_block, plan.amax, X_DTYPE=tl_dtype[plan.x_dtype],
+        BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS, num_warps=8)
+    bm, bk, warps = TILES["cast"]
+    _k().multi_cast_kernel[(plan.cast_tensor.numel(),)](
+        plan.x_table, plan.q_table, plan.qt_table, plan.scale_table, plan.m, plan.k, plan.cast_tensor,
+        plan.cast_tile, plan.amax, X_DTYPE=tl_dtype[plan.x_dtype], Q_DTYPE=q_dtype, FMAX=FP8_MAX[plan.fmt],
+        EPS=EPS, BM=bm, BK=bk, num_warps=warps)
+
+
 def quantize_1x16(x: torch.Tensor, fmt: str):
     x2 = _rows(x)
     m, k = x2.shape

@@ -246,6 +246,25 @@ def quantize_tensorwise_into(x: torch.Tensor, fmt: str, q: torch.Tensor, qt: tor
         dst.copy_(src)
 
 
+def quantize_tensorwise_many(xs, fmt: str, qs, qts, scales, plan=None):
+    """`quantize_tensorwise_into` for many contiguous 2-D tensors at once (the weight refresh after each
+    optimizer step): on the GPU two launches for all of them, the same codes and scales. `plan`: what the
+    previous call returned (descriptor tables, reused while the tensors and buffers are the same).
+    Returns the plan to pass next time (None where the references ran). Eager only (not a custom op)."""
+    get_format(fmt)
+    if not xs:
+        return plan
+    if _kernel_ok(*xs) and all(x.numel() > 0 for x in xs) and xs[0].dtype in (torch.bfloat16, torch.float16,
+                                                                             torch.float32):
+        if plan is None or plan.key != fp8_kernels.MultiCastPlan.key_of(xs, qs, qts, scales, fmt):
+            plan = fp8_kernels.MultiCastPlan(xs, qs, qts, scales, fmt)
+        fp8_kernels.quantize_tensorwise_many(plan)
+        return plan
+    for x, q, qt, s in zip(xs, qs, qts, scales):
+        quantize_tensorwise_into(x, fmt, q, qt, s, torch.empty((), dtype=torch.float32, device=x.device))
+    return None
+
+
 def quantize_1x16(x: torch.Tensor, fmt: str):
     """Per-group 1x16 quantization along the last dim -> (codes, bf16 group scales)."""
     return _quantize_1x16_op(x, fmt) if is_compiling() else _quantize_1x16_impl(x, fmt)

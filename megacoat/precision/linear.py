@@ -180,8 +180,10 @@ class Fp8WeightCache:
             return False
         return self.stale or self.wq is None or self.version != (weight._version, weight.data_ptr())
 
-    @torch.no_grad()
-    def refresh(self, weight: torch.Tensor) -> None:
+    def buffers_for(self, weight: torch.Tensor):
+        """(W, W^T, scale) buffers for this weight, allocated on first use. The same buffers every time:
+        compiled graphs hold them as inputs (new objects would recompile), and quantizing in place saves a
+        copy of W and of W^T per refresh."""
         w = weight.detach()
         if self.wq is None or self.wq.shape != w.shape or self.wq.device != w.device:
             dt = fp8.get_format(self.fmt).dtype
@@ -189,11 +191,17 @@ class Fp8WeightCache:
             self.wqt = torch.empty((w.shape[1], w.shape[0]), dtype=dt, device=w.device)
             self.scale = torch.empty((), dtype=torch.float32, device=w.device)
             self._amax = torch.empty((), dtype=torch.float32, device=w.device)
-        # Into the same buffers every time: compiled graphs hold them as inputs (new objects would
-        # recompile), and quantizing in place saves a copy of W and of W^T per refresh.
-        fp8.quantize_tensorwise_into(w, self.fmt, self.wq, self.wqt, self.scale, self._amax)
+        return self.wq, self.wqt, self.scale
+
+    def mark_fresh(self, weight: torch.Tensor) -> None:
         self.version = (weight._version, weight.data_ptr())
         self.stale = False
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor) -> None:
+        self.buffers_for(weight)
+        fp8.quantize_tensorwise_into(weight.detach(), self.fmt, self.wq, self.wqt, self.scale, self._amax)
+        self.mark_fresh(weight)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -364,6 +372,35 @@ def refresh_fp8_weights(module_or_pairs) -> None:
     for m, cache in pairs:
         if cache.persistent and cache.needs_refresh(m.weight):
             cache.refresh(m.weight)
+
+
+class Fp8WeightRefresher:
+    """Remakes the stale kept FP8 weight copies of a model at once (the trainer, after each optimizer step):
+    on the GPU the weights of one format and dtype go through two launches in all (the per-tensor amax and
+    the cast of every weight) instead of two per weight, and the Python work per weight is a check. Owns the
+    launches' descriptor tables (rebuilt when a weight or buffer moves)."""
+
+    def __init__(self, module: nn.Module):
+        self.pairs = [(m, c) for m, c in fp8_cache_pairs(module) if c.persistent]
+        self._plans = {}
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        groups = {}
+        for m, c in self.pairs:
+            if c.needs_refresh(m.weight):
+                w = m.weight.detach()
+                if w.dim() == 2 and w.is_contiguous():
+                    groups.setdefault((c.fmt, w.dtype, w.device), []).append((m, c))
+                else:  # one at a time (the batched kernels take contiguous 2-D weights)
+                    c.refresh(m.weight)
+        for key, members in groups.items():
+            xs = [m.weight.detach() for m, _ in members]
+            bufs = [c.buffers_for(m.weight) for m, c in members]
+            self._plans[key] = fp8.quantize_tensorwise_many(xs, key[0], [b[0] for b in bufs], [b[1] for b in bufs],
+                                                            [b[2] for b in bufs], self._plans.get(key))
+            for m, c in members:
+                c.mark_fresh(m.weight)
 
 
 def invalidate_fp8_weights(module: nn.Module) -> None:

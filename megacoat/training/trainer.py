@@ -28,7 +28,7 @@ from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
-from ..precision.linear import invalidate_fp8_weights, refresh_fp8_weights
+from ..precision.linear import Fp8WeightRefresher, invalidate_fp8_weights
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
@@ -141,6 +141,7 @@ class Trainer:
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes,
                                          cfg.parallel.high_priority_stream_groups)
+        self._fp8_refresher = None  # remakes kept FP8 weight copies after each step (built on first use)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
                                         num_microbatches(cfg, self.ctx.dp_size), cfg.parallel.overlap_param_gather)
         # Dropout streams differ per pipeline stage (Megatron's seed + 100 x pp rank); weights are
@@ -242,7 +243,9 @@ class Trainer:
         layer remakes its own before its next use (GPTModel.forward)."""
         invalidate_fp8_weights(self.model)
         if self.recipe.fp8.cache_weights and getattr(self.model, "pre_module_hook", None) is None:
-            refresh_fp8_weights(self.model)
+            if self._fp8_refresher is None:
+                self._fp8_refresher = Fp8WeightRefresher(self.model)
+            self._fp8_refresher()
 
     def _log_bubble(self) -> None:
         """--log-pipeline-bubble: per stage, the share of the schedule's wall time spent outside

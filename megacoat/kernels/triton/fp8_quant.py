@@ -157,3 +157,62 @@ def dequantize_1x16_kernel(q_ptr, s_ptr, y_ptr, M, K, G, BM: tl.constexpr, BG: t
     q = tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + rows[:, None] * G + groups[None, :], mask=gmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + off, (q * s[:, :, None, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- many tensors in one launch
+# The FP8 weight refresh after each optimizer step quantizes every linear weight: per weight an amax and
+# a cast (~200 launches and their host time at 1.36B) become two launches over descriptor tables (the
+# weights' addresses as int64, one row per program), with the same per-element operations as the
+# one-tensor kernels above (same codes, same scales, bit for bit).
+
+
+@triton.jit
+def _as_ptr(table_ptr, t, dtype: tl.constexpr):
+    return tl.load(table_ptr + t).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def multi_amax_kernel(x_table, numel_table, prog_tensor, prog_block, out_ptr, X_DTYPE: tl.constexpr,
+                      BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """out[t] (zeroed fp32) = max |x_t| for every tensor t; program p reads ITERS blocks of BLOCK elements
+    of tensor prog_tensor[p] from block prog_block[p] on."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    first = tl.load(prog_block + pid).to(tl.int64)
+    n = tl.load(numel_table + t)
+    x_ptr = _as_ptr(x_table, t, X_DTYPE)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = (first + i) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+    atomic_max_amax(out_ptr + t, tl.max(acc, axis=0))
+
+
+@triton.jit
+def multi_cast_kernel(x_table, q_table, qt_table, scale_table, m_table, k_table, prog_tensor, prog_tile,
+                      amax_ptr, X_DTYPE: tl.constexpr, Q_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                      EPS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """`cast_kernel` (both layouts) of contiguous 2-D tensor prog_tensor[p], tile prog_tile[p] (row-major
+    over its BM x BK tiles), scale from amax[t]; the tensor's first tile stores its scale."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    tile = tl.load(prog_tile + pid)
+    M = tl.load(m_table + t)
+    K = tl.load(k_table + t)
+    nk = tl.cdiv(K, BK)
+    pid_m = tile // nk
+    pid_k = tile - pid_m * nk
+    scale = tensor_scale(tl.load(amax_ptr + t), FMAX, EPS)
+    inv = tl.math.div_rn(1.0, scale)
+    if tile == 0:
+        tl.store(_as_ptr(scale_table, t, tl.float32), scale)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    xb = tl.load(_as_ptr(x_table, t, X_DTYPE) + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    q = sat_cast(xb.to(tl.float32) * inv, FMAX, Q_DTYPE)
+    tl.store(_as_ptr(q_table, t, Q_DTYPE) + rows[:, None] * K + cols[None, :], q, mask=mask)
+    qt = sat_cast(tl.trans(xb).to(tl.float32) * inv, FMAX, Q_DTYPE)
+    tl.store(_as_ptr(qt_table, t, Q_DTYPE) + cols[:, None].to(tl.int64) * M + rows[None, :], qt,
+             mask=tl.trans(mask))
