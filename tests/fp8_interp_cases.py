@@ -84,13 +84,19 @@ def test_amax_many_programs():
 def test_many_tensors_in_two_launches_equal_one_at_a_time(fmt):
     """The weight refresh's multi-tensor amax and cast: the same amax, scales and codes (both layouts) as the
     one-tensor kernels, for odd shapes, a tensor larger than one amax program, and a tiny one."""
-    shapes = [(37, 50), (19, 16), (130, 7), (1, 1), (K.AMAX_BLOCK * K.AMAX_ITERS // 64 + 3, 64)]
+    odd = [(37, 50), (19, 16), (130, 7), (1, 1), (K.AMAX_BLOCK * K.AMAX_ITERS // 64 + 3, 64)]
+    _many_equal_one_at_a_time(odd, fmt)
+    _many_equal_one_at_a_time([(32, 48), (16, 16), (K.AMAX_BLOCK * K.AMAX_ITERS // 64 + 16, 64)], fmt, aligned=True)
+
+
+def _many_equal_one_at_a_time(shapes, fmt, aligned=False):
     xs = [_data(sh, 20 + i, scale=10.0 ** (i - 2)) for i, sh in enumerate(shapes)]
     dt = fp8.get_format(fmt).dtype
     qs = [torch.empty(x.shape, dtype=dt) for x in xs]
     qts = [torch.empty(x.shape[::-1], dtype=dt) for x in xs]
     scales = [torch.empty(()) for _ in xs]
     plan = K.MultiCastPlan(xs, qs, qts, scales, fmt)
+    assert plan.aligned == aligned
     K.quantize_tensorwise_many(plan)
     for i, x in enumerate(xs):
         amax = K.amax(x)
@@ -155,6 +161,13 @@ def test_swiglu_kernels(shape):
     dh_r = A.swiglu_bwd_reference(dp, hq_r, hs_r)[0]
     _bf16_close(dh, dh_r, extra=1e-5 * dh_r.abs().max().item())
     assert dh_amax.item() == dh.float().abs().max().item()
+    # straight to FP8 (the linear's output gradient): what the unfused kernels give, bf16 dh never written
+    for fmt in ("e5m2", "e4m3"):
+        gq, gqt, sg = KA.swiglu_bwd_cast(dp, hq_r, hs_r, fmt)
+        q, qt, s = K.cast_tensorwise(dh.reshape(-1, dh.shape[-1]), dh_amax, fmt, True)
+        assert torch.equal(sg, s)
+        assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(gqt.view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu"])

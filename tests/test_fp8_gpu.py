@@ -125,12 +125,15 @@ def test_quantizers_bit_exact(shape, fmt):
     assert_same(ps, scale_ref, "public quantize_tensorwise scale")
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_many_weights_in_two_launches_bit_exact(fmt):
+def test_many_weights_in_two_launches_bit_exact(fmt, aligned):
     """The weight refresh's multi-tensor amax and cast (kernels.fp8.quantize_tensorwise_many) against the
-    reference per tensor: odd shapes, the 1.36B model's weight shapes, an all-zero weight, mixed magnitudes;
-    garbage in the buffers first; a second call reuses the plan and sees new values."""
-    shapes = [(37, 50), (6144, 2048), (1, 16), (11264, 2048), (2048, 5632), (130, 7), (40, 3)]
+    reference per tensor: odd shapes (scalar accesses) or only multiples of 16 (the vectorized variant: the
+    1.36B model's weight shapes), an all-zero weight, mixed magnitudes; garbage in the buffers first; a second
+    call reuses the plan and sees new values."""
+    shapes = ([(6144, 2048), (16, 32), (11264, 2048), (2048, 5632), (48, 16)] if aligned else
+              [(37, 50), (6144, 2048), (1, 16), (11264, 2048), (2048, 5632), (130, 7), (40, 3)])
     xs = [(_data(sh, 30 + i) * 10.0 ** (i % 3 - 1)).contiguous() for i, sh in enumerate(shapes)]
     xs[-1].zero_()
     dt = fp8.get_format(fmt).dtype
@@ -138,7 +141,7 @@ def test_many_weights_in_two_launches_bit_exact(fmt):
     qts = [torch.full(x.shape[::-1], -5.0, device=DEV).to(dt) for x in xs]
     scales = [torch.full((), 7.0, device=DEV) for _ in xs]
     plan = fp8.quantize_tensorwise_many(xs, fmt, qs, qts, scales)
-    assert plan is not None  # the kernels ran
+    assert plan is not None and plan.aligned == aligned  # the kernels ran, the variant asked for
     for step in range(2):
         for i, x in enumerate(xs):
             q_ref, qt_ref, s_ref = fp8.cast_tensorwise_reference(x, fp8.amax_reference(x), fmt, True)
@@ -232,6 +235,17 @@ def test_swiglu_kernels(shape):
     got, got_amax = KA.swiglu_bwd(dp, hq_r, hs_r)
     assert_ulps(got, exp, extra=1e-5 * exp.float().abs().max().item(), what="dh")
     assert_same(got_amax, got.float().abs().amax(), "amax of the emitted dh")
+    # straight to FP8 (the fused backward of fc1 + SwiGLU): the codes and scale of the unfused kernels, the
+    # reference's codes too where its dh rounds the same (compared through the unfused kernels: dh differs
+    # from the reference's by the sigmoid's last bits, see assert_ulps above)
+    for fmt in ("e5m2", "e4m3"):
+        gq, gqt, sg = KA.swiglu_bwd_cast(dp, hq_r, hs_r, fmt)
+        q, qt, s = K.cast_tensorwise(got.reshape(-1, got.shape[-1]), got_amax, fmt, True)
+        assert_same(sg, s, f"fused SwiGLU backward cast: scale ({fmt})")
+        assert_same(gq, q, f"fused SwiGLU backward cast: codes ({fmt})")
+        assert_same(gqt, qt, f"fused SwiGLU backward cast: transposed codes ({fmt})")
+        public = A.swiglu_backward_fp8(dp, hq_r, hs_r, fmt)  # the dispatching entry point picks the kernel
+        assert_same(public[0], q, f"swiglu_backward_fp8 codes ({fmt})")
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu"])

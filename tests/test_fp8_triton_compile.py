@@ -98,6 +98,24 @@ for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
         comp(Q.dequantize_1x16_kernel, dsig, dict(BM=bm, BG=bg, SPLIT=split), w)
         k = comp(Q.dequantize_1x16_kernel, dsig, dict(BM=bm, BG=bg, SPLIT=split), w, True)
         check_1x16(k, f"dequantize_1x16 {bm, bg, w, split}", bm, bg, w, split, in_fp8=1, out_bf16=1)
+# the weight refresh's multi-tensor kernels: with ALIGNED (model weights) the same 16-byte loads and stores as
+# the one-tensor kernels (the first H200 run, without the hint, loaded 2 bytes and stored 1 at a time: 2.7x slower)
+import triton.language as tl  # noqa: E402
+msig = dict(x_table="*i64", q_table="*i64", qt_table="*i64", scale_table="*i64", m_table="*i32", k_table="*i32",
+            prog_tensor="*i32", prog_tile="*i32", amax_ptr=f32)
+asig = dict(x_table="*i64", numel_table="*i64", prog_tensor="*i32", prog_block="*i32", out_ptr=f32)
+for aligned in (False, True):
+    for q_dt, fmax in ((tl.float8e4nv, 448.0), (tl.float8e5, 57344.0)):
+        ptx = comp(Q.multi_cast_kernel, msig, dict(X_DTYPE=tl.bfloat16, Q_DTYPE=q_dt, FMAX=fmax, EPS=1e-12, BM=128,
+                                                   BK=128, ALIGNED=aligned), 8, True).asm["ptx"]
+        if aligned:
+            assert "ld.global.b16" not in ptx and "st.global.b8" not in ptx, "multi_cast: scalar accesses"
+            assert count(ptx, "ld.global.v4.b32") == 8 and count(ptx, "st.global.v4.b32") == 8, "multi_cast: vectors"
+    ptx = comp(Q.multi_amax_kernel, asig, dict(X_DTYPE=tl.bfloat16, BLOCK=4096, ITERS=4, ALIGNED=aligned), 8,
+               True).asm["ptx"]
+    check_relaxed_amax(ptx, "multi_amax")
+    if aligned:
+        assert "ld.global.b16" not in ptx and count(ptx, "ld.global.v4.b32") == 8, "multi_amax: scalar loads"
 norm_sig = dict(x_ptr=bf, r_ptr=bf, s_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32,
                 mean_ptr=f32, amax_ptr=f32, M=i32, K=i32, G=i32, eps="fp32")
 bwd_sig = dict(dy_ptr=bf, q_ptr=f8, qs_ptr=bf, rstd_ptr=f32, mean_ptr=f32, w_ptr=bf, dres_ptr=bf, dx_ptr=bf, dw_ptr=f32,
@@ -122,11 +140,12 @@ for bm, bg, w, split in TILES:
     t = dict(BM=bm, BG=bg, SPLIT=split)
     name = f"{bm, bg, w, split}"
     comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w)
-    comp(A.swiglu_bwd_kernel, swb, t, w)
+    comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=True), w)
+    comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=False), w)
     k = comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w, True)
     # gate and up: 16-byte loads, codes, a div pair per group each; p: 16-byte stores without conversion
     check_1x16(k, "swiglu_fwd " + name, bm, bg, w, split, in_bf16=2, codes=2, out_bf16=1, divs=2, amax=True)
-    k = comp(A.swiglu_bwd_kernel, swb, t, w, True)
+    k = comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=True), w, True)
     check_1x16(k, "swiglu_bwd " + name, bm, bg, w, split, in_bf16=1, in_fp8=2, out_bf16=2, amax=True)
     for kind in (0, 1):
         comp(A.act_fwd_kernel, af, dict(KIND=kind, FMAX=448.0, EPS=1e-12, **t), w)
@@ -136,6 +155,13 @@ for bm, bg, w, split in TILES:
                    amax=True)
         k = comp(A.act_bwd_kernel, ab, dict(KIND=kind, **t), w, True)
         check_1x16(k, f"act_bwd {kind} " + name, bm, bg, w, split, in_bf16=1, in_fp8=1, out_bf16=1)
+# the SwiGLU backward cast straight to FP8: at aligned shapes, 16-byte loads of dp (bf16) and no 2-byte ones
+swc = dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, scale_ptr=f32, gq_ptr=f8e5, gqt_ptr=f8e5, M=i32, F=i32, G=i32)
+for div16 in (False, True):
+    ptx = comp(A.swiglu_bwd_cast_kernel, swc, dict(FMAX=57344.0, EPS=1e-12, BM=128, BK=128), 8, div16).asm["ptx"]
+    assert "satfinite" in ptx
+    if div16:
+        assert "st.global.b8" not in ptx, "swiglu_bwd_cast: 1-byte code stores"
 print("compiled all")
 '''
 

@@ -142,6 +142,9 @@ class MultiCastPlan:
         self.amax_tensor, self.amax_block = table(amax_t, torch.int32), table(amax_b, torch.int32)
         self.cast_tensor, self.cast_tile = table(cast_t, torch.int32), table(cast_tile, torch.int32)
         self.amax = torch.zeros(len(xs), dtype=torch.float32, device=dev)  # max |x_t| of the last launch
+        # Every address 16-byte aligned and every dim a multiple of 16 (model weights): vectorized accesses.
+        self.aligned = all(t.data_ptr() % 16 == 0 for group in (xs, qs, qts) for t in group) and \
+            all(d % 16 == 0 for x in xs for d in x.shape)
         # The tensors themselves: the tables hold their addresses, so they must outlive the plan.
         self._keep = (list(xs), list(qs), list(qts), list(scales))
 
@@ -160,12 +163,12 @@ def quantize_tensorwise_many(plan: MultiCastPlan) -> None:
     plan.amax.zero_()
     _k().multi_amax_kernel[(plan.amax_tensor.numel(),)](
         plan.x_table, plan.numel, plan.amax_tensor, plan.amax_block, plan.amax, X_DTYPE=tl_dtype[plan.x_dtype],
-        BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS, num_warps=8)
+        BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS, ALIGNED=plan.aligned, num_warps=8)
     bm, bk, warps = TILES["cast"]
     _k().multi_cast_kernel[(plan.cast_tensor.numel(),)](
         plan.x_table, plan.q_table, plan.qt_table, plan.scale_table, plan.m, plan.k, plan.cast_tensor,
         plan.cast_tile, plan.amax, X_DTYPE=tl_dtype[plan.x_dtype], Q_DTYPE=q_dtype, FMAX=FP8_MAX[plan.fmt],
-        EPS=EPS, BM=bm, BK=bk, num_warps=warps)
+        EPS=EPS, BM=bm, BK=bk, ALIGNED=plan.aligned, num_warps=warps)
 
 
 def quantize_1x16(x: torch.Tensor, fmt: str):
