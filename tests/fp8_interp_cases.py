@@ -161,13 +161,6 @@ def test_swiglu_kernels(shape):
     dh_r = A.swiglu_bwd_reference(dp, hq_r, hs_r)[0]
     _bf16_close(dh, dh_r, extra=1e-5 * dh_r.abs().max().item())
     assert dh_amax.item() == dh.float().abs().max().item()
-    # straight to FP8 (the linear's output gradient): what the unfused kernels give, bf16 dh never written
-    for fmt in ("e5m2", "e4m3"):
-        gq, gqt, sg = KA.swiglu_bwd_cast(dp, hq_r, hs_r, fmt)
-        q, qt, s = K.cast_tensorwise(dh.reshape(-1, dh.shape[-1]), dh_amax, fmt, True)
-        assert torch.equal(sg, s)
-        assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(gqt.view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu"])

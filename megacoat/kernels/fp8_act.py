@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from . import TraceableKernels
-from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, TILES as QUANT_TILES, group_grid, triton_cdiv
+from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, triton_cdiv
 
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
@@ -125,27 +125,6 @@ def swiglu_bwd(dp, hq, hs):
     _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, amax, m, f,
                                  g, **tile)
     return dh.view(*dp.shape[:-1], 2 * f), amax
-
-
-def swiglu_bwd_cast(dp, hq, hs, fmt: str):
-    """-> (gq [M, 2F], gqt [2F, M], fp32 scale): dh = [dgate; dup] quantized per tensor in both layouts, as
-    `cast_tensorwise(*swiglu_bwd(dp, hq, hs), fmt, True)` gives them, without writing dh: a pass for the amax,
-    a pass for the codes."""
-    f = dp.shape[-1]
-    dp2 = dp.contiguous().view(-1, f)
-    m, g = dp2.shape[0], triton_cdiv(f, 16)
-    hq3, hs3 = hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g)
-    amax = torch.zeros((), dtype=torch.float32, device=dp.device)
-    tile, grid = _ew_grid("swiglu_bwd", m, g)
-    _k().swiglu_bwd_kernel[grid](dp2, hq3, hs3, dp2, amax, m, f, g, STORE=False, **tile)  # dh_ptr: the dtype only
-    qdt = FP8_DTYPE[fmt]
-    gq = torch.empty((m, 2 * f), dtype=qdt, device=dp.device)
-    gqt = torch.empty((2 * f, m), dtype=qdt, device=dp.device)
-    scale = torch.empty((), dtype=torch.float32, device=dp.device)
-    bm, bk, warps = QUANT_TILES["cast"]  # the per-tensor cast's tiles (its transposed stores are the same)
-    _k().swiglu_bwd_cast_kernel[(triton_cdiv(m, bm), triton_cdiv(f, bk))](
-        dp2, hq3, hs3, amax, scale, gq, gqt, m, f, g, FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BK=bk, num_warps=warps)
-    return gq, gqt, scale
 
 
 def act_fwd(h, kind: str):

@@ -31,8 +31,7 @@ import torch
 
 from ..kernels import fp8 as fp8_quant_kernels
 from ..kernels import fp8_act as act_kernels
-from .fp8 import (cast_tensorwise_reference, dequantize_1x16_reference, get_format, is_compiling,
-                  quantize_1x16_reference)
+from .fp8 import dequantize_1x16_reference, is_compiling, quantize_1x16_reference
 
 SAVE_FMT = "e4m3"  # forward activations are E4M3 (DESIGN 5.1)
 ACTIVATIONS = ("silu", "gelu")
@@ -264,40 +263,6 @@ def _swiglu_bwd(dp, hq, hs):
 @_swiglu_bwd_op.register_fake
 def _(dp, hq, hs):
     return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1])), dp.new_empty((), dtype=torch.float32)
-
-
-def swiglu_bwd_cast_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, fmt: str):
-    """-> (gq, gqt, scale): the SwiGLU backward's dh quantized per tensor in both layouts (the FP8 output
-    gradient of the linear before the SwiGLU), from dh and its amax as `swiglu_bwd_reference` gives them."""
-    dh, amax = swiglu_bwd_reference(dp, hq, hs)
-    return cast_tensorwise_reference(dh.reshape(-1, dh.shape[-1]), amax, fmt, True)
-
-
-def _swiglu_bwd_cast_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor,
-                          fmt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _kernel_ok(dp, hq, hs):
-        return act_kernels.swiglu_bwd_cast(dp, hq, hs, fmt)
-    return swiglu_bwd_cast_reference(dp, hq, hs, fmt)
-
-
-@torch.library.triton_op("megacoat::fp8_swiglu_bwd_cast", mutates_args=())
-def _swiglu_bwd_cast_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor,
-                        fmt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _swiglu_bwd_cast_impl(dp, hq, hs, fmt)
-
-
-@_swiglu_bwd_cast_op.register_fake
-def _(dp, hq, hs, fmt):
-    m, f = dp.numel() // dp.shape[-1], dp.shape[-1]
-    dt = get_format(fmt).dtype
-    return dp.new_empty((m, 2 * f), dtype=dt), dp.new_empty((2 * f, m), dtype=dt), dp.new_empty((), dtype=torch.float32)
-
-
-def swiglu_backward_fp8(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, fmt: str):
-    """-> (gq [M, 2F], gqt [2F, M], scale): the FP8 per-tensor codes (both layouts) of the SwiGLU's input
-    gradient, straight from the saved FP8 gate and up: what the FP8 linear before it needs for its dgrad and
-    wgrad GEMMs, without the bf16 gradient being written and read back."""
-    return (_swiglu_bwd_cast_op if is_compiling() else _swiglu_bwd_cast_impl)(dp, hq, hs, fmt)
 
 
 def _act_fwd_impl(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from ..kernels.fp8_wgrad import fp8_wgrad_gemm
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
-from .activations import swiglu_backward_fp8, swiglu_backward_with_amax, swiglu_forward_saving_fp8
+from .activations import swiglu_backward_with_amax, swiglu_forward_saving_fp8
 from .recipe import Fp8Recipe
 
 
@@ -275,18 +275,14 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, g, *_g_amax):
         opts = ctx.opts
         x_saved, sx, x_amax, wqt, w_scale, w_amax, hq, hs = ctx.saved_tensors
+        g_amax = None
+        if opts.activation == "swiglu":
+            g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
             _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True, rowwise=False)
-        g2 = None
-        if opts.activation == "swiglu" and not ctx.has_bias:
-            # The SwiGLU's input gradient straight to FP8 (both layouts): no bf16 copy written and read back.
-            gq, gqt, sg = swiglu_backward_fp8(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs, opts.grad_fmt)
-        else:
-            g_amax = None
-            if opts.activation == "swiglu":
-                g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
-            g2 = g.reshape(-1, g.shape[-1])
-            gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
+        n = g.shape[-1]
+        g2 = g.reshape(-1, n)
+        gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
         dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm)
         if opts.sp_group is not None:
             dx = reduce_scatter_first(dx, opts.sp_group)

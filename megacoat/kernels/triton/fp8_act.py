@@ -11,8 +11,7 @@ so the consumer's cast needs no amax pass and no extra launch. Group scales are 
 import triton
 import triton.language as tl
 
-from .fp8_quant import (atomic_max_amax, group_tile, quantize_groups_store, quantize_groups_store4, sat_cast,
-                         tensor_scale)
+from .fp8_quant import atomic_max_amax, group_tile, quantize_groups_store, quantize_groups_store4
 
 GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); globals in jit code must be constexpr
 
@@ -166,22 +165,10 @@ def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G, FMAX: tl.c
 
 
 @triton.jit
-def _swiglu_grads(gate, up, g, out_dtype: tl.constexpr):
-    """(dgate, dup) rounded to the gradient's dtype, from fp32 gate, up and output gradient g. One
-    definition for the kernels that store dh and the one that casts it straight to FP8: the same
-    operations in the same order, so their values agree bit for bit."""
-    sig = tl.sigmoid(gate)
-    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = g * gate * sig
-    return dgate.to(out_dtype), dup.to(out_dtype)
-
-
-@triton.jit
 def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr,
-                      SPLIT: tl.constexpr, STORE: tl.constexpr = True):
+                      SPLIT: tl.constexpr):
     """dh = [dgate; dup] from the saved FP8 gate and up; also max |dh| (as rounded) into amax_ptr:
-    dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass).
-    STORE=False: only the amax (the first pass of `swiglu_bwd_cast_kernel`; dh_ptr only gives the dtype)."""
+    dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass)."""
     rows, groups, cols, mask, gmask = group_tile(M, F, G, BM, BG, SPLIT)
     r4 = rows[:, None, None, None]
     off2 = r4 * (2 * F) + cols
@@ -191,59 +178,14 @@ def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.c
     up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
         tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None, None]
     g = tl.load(dp_ptr + r4 * F + cols, mask=mask, other=0.0).to(tl.float32)
-    dgate, dup = _swiglu_grads(gate, up, g, dh_ptr.dtype.element_ty)
-    if STORE:
-        tl.store(dh_ptr + off2, dgate, mask=mask)
-        tl.store(dh_ptr + off2 + F, dup, mask=mask)
+    sig = tl.sigmoid(gate)
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = g * gate * sig
+    dgate = dgate.to(dh_ptr.dtype.element_ty)
+    dup = dup.to(dh_ptr.dtype.element_ty)
+    tl.store(dh_ptr + off2, dgate, mask=mask)
+    tl.store(dh_ptr + off2 + F, dup, mask=mask)
     atomic_max_amax(amax_ptr, _amax4(tl.maximum(tl.abs(dgate.to(tl.float32)), tl.abs(dup.to(tl.float32)))))
-
-
-@triton.jit
-def swiglu_bwd_cast_kernel(dp_ptr, q_ptr, qs_ptr, amax_ptr, scale_ptr, gq_ptr, gqt_ptr, M, F, G,
-                           FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """The SwiGLU backward cast straight to FP8 (second pass; the first, swiglu_bwd_kernel with STORE=False,
-    reduced amax): per [BM, BK] tile of gate/up columns, dgate and dup as `swiglu_bwd_kernel` rounds them,
-    then the per-tensor cast of `cast_kernel` into both layouts of dh = [dgate; dup]: gq [M, 2F] and gqt
-    [2F, M]. dh itself (bf16) is never written nor read back: 2 bytes per element each way saved."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
-    inv = tl.math.div_rn(1.0, scale)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(scale_ptr, scale)
-    # 3-D tile [rows, 16-groups, 16]: one bf16 scale load per group (a 2-D tile would load it per element)
-    BG: tl.constexpr = BK // 16
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    groups = pid_k * BG + tl.arange(0, BG)
-    lanes = tl.arange(0, 16)
-    cols = groups[None, :, None] * 16 + lanes[None, None, :]
-    rmask = rows[:, None, None] < M
-    mask = rmask & (cols < F)
-    gmask = (rows[:, None] < M) & (groups[None, :] < G)
-    off2 = rows[:, None, None] * (2 * F) + cols
-    soff = rows[:, None] * (2 * G) + groups[None, :]
-    gate = tl.load(q_ptr + off2, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-    up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-    g = tl.load(dp_ptr + rows[:, None, None] * F + cols, mask=mask, other=0.0).to(tl.float32)
-    dgate, dup = _swiglu_grads(gate, up, g, dp_ptr.dtype.element_ty)  # dh has dp's dtype
-    # transposed copies: [groups, 16, rows] tiles (permuted 16-bit values, as cast_kernel transposes), each
-    # row of gqt written along the tile's rows
-    cols_t = groups[:, None, None] * 16 + lanes[None, :, None]
-    qt_off = cols_t.to(tl.int64) * M + rows[None, None, :]
-    mask_t = tl.permute(mask, (1, 2, 0))
-    _cast_both_layouts(dgate, inv, gq_ptr + off2, gqt_ptr + qt_off, mask, mask_t, FMAX)
-    _cast_both_layouts(dup, inv, gq_ptr + off2 + F, gqt_ptr + qt_off + F * M, mask, mask_t, FMAX)
-
-
-@triton.jit
-def _cast_both_layouts(v, inv, q_ptrs, qt_ptrs, mask, mask_t, FMAX: tl.constexpr):
-    """Per-tensor codes of the 16-bit [rows, groups, 16] tile v at q_ptrs, and of it permuted to
-    [groups, 16, rows] at qt_ptrs (the 16-bit values permuted, as cast_kernel transposes, then the same
-    multiply and cast)."""
-    out_ty = q_ptrs.dtype.element_ty
-    tl.store(q_ptrs, sat_cast(v.to(tl.float32) * inv, FMAX, out_ty), mask=mask)
-    tl.store(qt_ptrs, sat_cast(tl.permute(v, (1, 2, 0)).to(tl.float32) * inv, FMAX, out_ty), mask=mask_t)
 
 
 @triton.jit
