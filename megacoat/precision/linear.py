@@ -20,12 +20,13 @@ Saved for backward: under `coat` the transposed FP8 copy of x (1 byte/element) a
 `tensorwise` the bf16 x (its FP8 copies are remade in backward with the forward's scale).
 
 Weight cache (`Fp8WeightCache`): the FP8 weight, its transpose and scale are made once per optimizer
-step and reused by every micro-batch (when a step has several; with one micro-batch per step nothing is
-kept: see Fp8WeightCache). They are refreshed outside compiled code: the trainer invalidates them after
-each optimizer step and checkpoint load and, unless the parameter all-gather overlaps the next forward,
-remakes them right away (`refresh_fp8_weights(model)`, while the GPU runs the optimizer); otherwise the
-model calls `refresh_fp8_weights(layer)` before each layer. Eager calls also refresh when the weight's
-version counter moved (in-place updates).
+step and reused by every micro-batch (`--fp8-weight-cache`: kept unless a step of one micro-batch waits for
+overlapped parameter gathers; not kept, the forward casts W and the backward W^T). They are refreshed outside
+compiled code: the trainer invalidates them after each optimizer step and checkpoint load and, unless the
+parameter all-gather overlaps the next forward, remakes them all right away (`Fp8WeightRefresher`: two
+launches for every weight, while the GPU runs the optimizer); otherwise the model calls
+`refresh_fp8_weights(...)` before each layer. Eager calls also refresh when the weight's version counter
+moved (in-place updates).
 
 Sequence parallelism (`coat`): the column-parallel input is cast with one scale shared by the TP
 group (a scalar max all-reduce), the FP8 codes are all-gathered (1 byte/element instead of 2) and
@@ -162,8 +163,8 @@ class Fp8WeightCache:
 
     `persistent=False` keeps nothing between micro-batches: the forward casts W (amax + cast) and the
     backward casts W^T again with the forward's scale, as torchao does. That saves 2 bytes per weight
-    element of memory at ~5 bytes per element of extra traffic per micro-batch: the better trade when a
-    step has a single micro-batch (the trainer chooses: persistent when it has several)."""
+    element of memory at ~5 bytes per element of extra traffic per micro-batch (--fp8-weight-cache none, or
+    auto with one micro-batch per step under --overlap-param-gather: recipe.keep_fp8_weights)."""
 
     def __init__(self, fmt: str, persistent: bool = True):
         self.fmt = fmt

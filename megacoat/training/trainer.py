@@ -238,9 +238,8 @@ class Trainer:
     def _remake_fp8_weights(self) -> None:
         """The weights changed: their FP8 copies are stale. With kept copies (--fp8-weight-cache)
         and the weights complete now (no parameter all-gather still overlapping the next forward), remake
-        them at once: their launches then overlap the optimizer kernels on the GPU, instead of taking host
-        time before each layer's first forward, where a step at this size waits on the host. Otherwise each
-        layer remakes its own before its next use (GPTModel.forward)."""
+        them all at once (two launches on the GPU: Fp8WeightRefresher), overlapping the optimizer kernels.
+        Otherwise each layer remakes its own before its next use (GPTModel.forward)."""
         invalidate_fp8_weights(self.model)
         if self.recipe.fp8.cache_weights and getattr(self.model, "pre_module_hook", None) is None:
             if self._fp8_refresher is None:
