@@ -78,6 +78,22 @@ def test_dry_run_state_sizes_equal_real_allocations(tmp_path, extra, world):
                 (r["params"], r["weights"], r["grads"], r["master"], r["states"]), (rank, fmt)
 
 
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_dry_run_counts_the_kept_fp8_weight_copies_a_real_run_allocates(cache):
+    from megacoat.precision.linear import _fp8_caches
+    from megacoat.training.trainer import Trainer
+    flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid", "--fp8-weight-cache", cache]
+    (pl,) = plan_run(parse_args(flags), 1, 301, torch.device("cpu"))
+    tr = Trainer(parse_args(flags))
+    try:
+        tr.train_step(tr._next_micro_batches(tr.data_iterators().train))
+        real = sum(c.wq.numel() + c.wqt.numel() + 4 * c.scale.numel() for _, c in _fp8_caches(tr.model)
+                   if c.wq is not None)
+    finally:
+        tr.close()
+    assert pl.fp8_weight_copies == real and (real > 0) == (cache == "auto")
+
+
 def test_configuration_errors_surface_in_the_dry_run():
     with pytest.raises(ConfigError, match="not divisible by --tensor-model-parallel-size 4"):
         plan_run(parse_args(BASE + ["--tensor-model-parallel-size", "4"]), 6, 301)

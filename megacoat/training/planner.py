@@ -33,6 +33,7 @@ from ..model.transformer import LayerContext
 from ..optim.buffers import ParamGradBuffer, shard_alignment
 from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
 from ..parallel.context import ParallelContext
+from ..precision.linear import fp8_cache_pairs
 from ..precision.recipe import resolve_precision
 
 META = torch.device("meta")
@@ -56,6 +57,7 @@ class RankPlan:
     in_flight: int                        # micro-batches whose activations a stage holds at once (1F1B)
     comm: Dict[str, Dict[str, int]]       # option -> kind -> bytes sent per step
     buckets: List[int] = field(default_factory=list)  # bucket sizes (elements)
+    fp8_weight_copies: int = 0            # bytes of kept FP8 weight copies (W and W^T, --fp8-weight-cache)
 
 
 def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, recipe: str, tp: int,
@@ -199,6 +201,7 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                           fp8=recipe.fp8)
         model, chunks = build_model_chunks(cfg.model, p, lc, ctx0, vocab_size, padded, compile_layers=False)
         params = [q for q in model.parameters() if q.requires_grad]
+        fp8_copies = sum(2 * mod.weight.numel() + 4 for mod, c in fp8_cache_pairs(model) if c.persistent)
         bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx0.dp_size)
         m = cfg.model
         kv = m.num_query_groups * m.kv_channels
@@ -229,7 +232,8 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
             plans.append(RankPlan(ranks=[global_rank], pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank,
                                   params=sum(q.numel() for q in params), layers=layers, weights=weights, grads=grads,
                                   master=masters, states=states, activations=acts, in_flight=in_flight,
-                                  comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket), buckets=buckets))
+                                  comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket), buckets=buckets,
+                                  fp8_weight_copies=fp8_copies))
         return plans
     finally:
         dist.destroy_process_group()
@@ -287,13 +291,14 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
         ranks = pl.ranks if len(pl.ranks) <= 8 else pl.ranks[:4] + ["..."] + pl.ranks[-2:]  # its DP ranks
         lines.append(f"ranks {', '.join(map(str, ranks))} (PP stage {pl.pp_rank}, TP rank {pl.tp_rank}): "
                      f"{pl.params:,} parameters, {pl.layers} layers, {len(pl.buckets)} bucket(s)")
-        lines.append(f"  weights {_gib(pl.weights)} | gradients {_gib(pl.grads)} | optimizer states (moments + "
+        copies = f" | FP8 weight copies {_gib(pl.fp8_weight_copies)}" if pl.fp8_weight_copies else ""
+        lines.append(f"  weights {_gib(pl.weights)}{copies} | gradients {_gib(pl.grads)} | optimizer states (moments + "
                      f"fp32 master weights): " + ", ".join(f"{k}{'*' if k == fmt_now else ''} {_gib(v)} + "
                                                            f"{_gib(pl.master[k])}" for k, v in pl.states.items()))
         lines.append(f"  activations per micro-batch (estimate): " +
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
                      + f" | up to {pl.in_flight} micro-batch(es) in flight")
-        total = pl.weights + pl.grads + pl.master[fmt_now] + pl.states[fmt_now] + pl.activations[recipe_now] * pl.in_flight
+        total = pl.weights + pl.fp8_weight_copies + pl.grads + pl.master[fmt_now] + pl.states[fmt_now] + pl.activations[recipe_now] * pl.in_flight
         lines.append(f"  total with this configuration (estimate): {_gib(total)}")
         lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
             f"{k}{'*' if k == current else ''}: " + ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in d.items())
