@@ -87,6 +87,7 @@ def test_cli_coat_tp2_sp_and_pp2_zero_track_tp1(tmp_path):
                     nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "precision: fp8 (hybrid, coat)" in r.stdout  # the iteration line names the recipe (CPU: no MFU)
+        assert "fp8_weight_copies " in r.stdout  # the start-up memory line counts the kept FP8 weight copies
         runs[name] = _losses(path)
         assert len(runs[name]) == 6
     # PP only re-orders the same computation: equal to round-off. TP quantizes each weight shard with

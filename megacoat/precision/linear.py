@@ -375,6 +375,19 @@ def refresh_fp8_weights(module_or_pairs) -> None:
             cache.refresh(m.weight)
 
 
+def fp8_weight_copy_bytes(module: nn.Module) -> int:
+    """Bytes of the FP8 weight copies the layers in `module` keep (W and W^T at 1 byte per element, a scale)."""
+    return sum(2 * m.weight.numel() + 4 for m, c in _fp8_caches(module) if c.persistent)
+
+
+def allocate_fp8_weight_copies(module: nn.Module) -> None:
+    """Allocate the kept FP8 weight copies now (filled at their first refresh): model-state memory measured
+    at start-up then includes them."""
+    for m, c in _fp8_caches(module):
+        if c.persistent:
+            c.buffers_for(m.weight)
+
+
 class Fp8WeightRefresher:
     """Remakes the stale kept FP8 weight copies of a model at once (the trainer, after each optimizer step):
     on the GPU the weights of one format and dtype go through two launches in all (the per-tensor amax and

@@ -33,7 +33,7 @@ from ..model.transformer import LayerContext
 from ..optim.buffers import ParamGradBuffer, shard_alignment
 from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
 from ..parallel.context import ParallelContext
-from ..precision.linear import fp8_cache_pairs
+from ..precision.linear import fp8_weight_copy_bytes
 from ..precision.recipe import resolve_precision
 
 META = torch.device("meta")
@@ -201,7 +201,7 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                           fp8=recipe.fp8)
         model, chunks = build_model_chunks(cfg.model, p, lc, ctx0, vocab_size, padded, compile_layers=False)
         params = [q for q in model.parameters() if q.requires_grad]
-        fp8_copies = sum(2 * mod.weight.numel() + 4 for mod, c in fp8_cache_pairs(model) if c.persistent)
+        fp8_copies = fp8_weight_copy_bytes(model)
         bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx0.dp_size)
         m = cfg.model
         kv = m.num_query_groups * m.kv_channels

@@ -28,7 +28,8 @@ from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
-from ..precision.linear import Fp8WeightRefresher, invalidate_fp8_weights
+from ..precision.linear import (Fp8WeightRefresher, allocate_fp8_weight_copies, fp8_weight_copy_bytes,
+                               invalidate_fp8_weights)
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
@@ -170,7 +171,8 @@ class Trainer:
             self.ctx, len(self.chunks), (seq, cfg.train.micro_batch_size, m.hidden_size), self.recipe.params_dtype,
             timing=cfg.logging.log_pipeline_bubble)
         self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
-        # Measured model-state memory (weights, grads, masters, states) before any activation.
+        # Measured model-state memory (weights, kept FP8 weight copies, grads, masters, states) before any activation.
+        allocate_fp8_weight_copies(self.model)
         self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.scheduler = build_lr_scheduler(cfg)
         self.num_micro = num_microbatches(cfg, self.ctx.dp_size)
@@ -299,6 +301,9 @@ class Trainer:
     def train(self, on_step: Optional[Callable[["Trainer", StepRecord], None]] = None) -> TrainState:
         cfg = self.cfg
         memory = self.optimizer.memory_report()
+        copies = fp8_weight_copy_bytes(self.model)
+        if copies:
+            memory = {**memory, "fp8_weight_copies": copies / memory["params"]}
         if self.setup_memory is not None:
             memory["measured_total"] = self.setup_memory / memory["params"]
         print_config(cfg, self.ctx, self.recipe.description, self.device, self.model, self.padded_vocab,
