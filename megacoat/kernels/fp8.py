@@ -115,7 +115,7 @@ class MultiCastPlan:
             _check_out(q, tuple(x.shape), qdt, "q")
             _check_out(qt, (x.shape[1], x.shape[0]), qdt, "qt")
             _check_out(s, (), torch.float32, "scale")
-        self.fmt, self.n, self.x_dtype = fmt, len(xs), dt
+        self.fmt, self.x_dtype = fmt, dt
         self.key = self.key_of(xs, qs, qts, scales, fmt)
         bm, bk, _ = TILES["cast"]
         per_prog = AMAX_BLOCK * AMAX_ITERS

@@ -14,7 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
-from ..precision.linear import fp8_cache_pairs, refresh_fp8_weights
+from ..precision.linear import Fp8WeightRefresher
 from .rope import RotaryEmbedding
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
@@ -85,9 +85,9 @@ class GPTModel(nn.Module):
         self.pre_backward_hook = None
         # --recompute-granularity full: which layers recompute their forward in backward (set by the trainer).
         self.recompute_plan = None
-        # Per layer, its FP8 linears and their weight caches (kept FP8 weight copies only; found once).
-        self._fp8_pairs = ([fp8_cache_pairs(layer) for layer in self.layers]
-                           if lc.fp8 is not None and lc.fp8.cache_weights else None)
+        # Per layer, what remakes its kept FP8 weight copies when stale (None: the recipe keeps none).
+        self._fp8_refreshers = ([Fp8WeightRefresher(layer) for layer in self.layers]
+                                if lc.fp8 is not None and lc.fp8.cache_weights else None)
 
     def _before(self, module: nn.Module) -> None:
         if self.pre_module_hook is not None:
@@ -141,10 +141,10 @@ class GPTModel(nn.Module):
         for recomputed, group in plan.layer_groups(self.layers):
             for layer in group:
                 self._before(layer)
-                if self._fp8_pairs is not None:
+                if self._fp8_refreshers is not None:
                     # Kept FP8 weight copies: remade here, outside compiled code, if stale (the trainer
                     # usually remade them all right after the optimizer step; this is then a quick check)
-                    refresh_fp8_weights(self._fp8_pairs[index])
+                    self._fp8_refreshers[index]()
                 index += 1
             x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
                                                       self.lc.rng), *group)

@@ -24,8 +24,8 @@ step and reused by every micro-batch (`--fp8-weight-cache`: kept unless a step o
 overlapped parameter gathers; not kept, the forward casts W and the backward W^T). They are refreshed outside
 compiled code: the trainer invalidates them after each optimizer step and checkpoint load and, unless the
 parameter all-gather overlaps the next forward, remakes them all right away (`Fp8WeightRefresher`: two
-launches for every weight, while the GPU runs the optimizer); otherwise the model calls
-`refresh_fp8_weights(...)` before each layer. Eager calls also refresh when the weight's version counter
+launches for every weight, while the GPU runs the optimizer); otherwise the model remakes each layer's
+(its own refresher per layer) before that layer's forward. Eager calls also refresh when the weight's version counter
 moved (in-place updates).
 
 Sequence parallelism (`coat`): the column-parallel input is cast with one scale shared by the TP
@@ -360,19 +360,11 @@ def _fp8_caches(module: nn.Module):
             yield m, cache
 
 
-def fp8_cache_pairs(module: nn.Module) -> list:
-    """(linear, its weight cache) of every FP8 linear in `module`: a caller that refreshes the same module
-    every micro-batch keeps this list (walking the module tree costs ~30 us of host time per layer)."""
-    return list(_fp8_caches(module))
-
-
-def refresh_fp8_weights(module_or_pairs) -> None:
-    """Remake stale FP8 weight copies of the layers in a module, or of a list from `fp8_cache_pairs`
-    (call outside compiled code)."""
-    pairs = _fp8_caches(module_or_pairs) if isinstance(module_or_pairs, nn.Module) else module_or_pairs
-    for m, cache in pairs:
-        if cache.persistent and cache.needs_refresh(m.weight):
-            cache.refresh(m.weight)
+def refresh_fp8_weights(module: nn.Module) -> None:
+    """Remake the stale kept FP8 weight copies of the layers in `module` now (outside compiled code). A caller
+    that refreshes the same module again and again keeps an `Fp8WeightRefresher` instead (its module walk and
+    launch tables are made once)."""
+    Fp8WeightRefresher(module)()
 
 
 def fp8_weight_copy_bytes(module: nn.Module) -> int:
@@ -389,13 +381,14 @@ def allocate_fp8_weight_copies(module: nn.Module) -> None:
 
 
 class Fp8WeightRefresher:
-    """Remakes the stale kept FP8 weight copies of a model at once (the trainer, after each optimizer step):
-    on the GPU the weights of one format and dtype go through two launches in all (the per-tensor amax and
-    the cast of every weight) instead of two per weight, and the Python work per weight is a check. Owns the
+    """Remakes the stale kept FP8 weight copies of a module at once (the trainer's for the whole model after each
+    optimizer step; the model's per layer under --overlap-param-gather): on the GPU the weights of one format
+    and dtype go through two launches in all (the per-tensor amax and the cast of every weight) instead of two
+    per weight, and the Python work per fresh weight is a check (the module is walked once, here). Owns the
     launches' descriptor tables (rebuilt when a weight or buffer moves)."""
 
     def __init__(self, module: nn.Module):
-        self.pairs = [(m, c) for m, c in fp8_cache_pairs(module) if c.persistent]
+        self.pairs = [(m, c) for m, c in _fp8_caches(module) if c.persistent]
         self._plans = {}
 
     @torch.no_grad()
