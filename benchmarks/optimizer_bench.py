@@ -11,12 +11,13 @@
              of the same bytes (what the memory system delivers); the issue's target for FP8 with
              expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
              faster than torch.optim.AdamW(fused=True) with fp32 states).
-  variants   every kernel case above under every work distribution of the kernel (csrc/fused_adamw.cu
-             Variant0-3, same operations; `kernels` times the codec's choice, FASTEST_VARIANT of
-             optim/fp8_adam.py): ms and % of HBM per
-             case x variant, and for each variant its state after a few steps (masters, weights,
-             codes, s/k/c) equal bit for bit to variant 0's, per format and gradient dtype, on
-             chunks not multiples of 128 with misaligned gradients.
+  variants   every kernel case above under every variant of the kernel (csrc/fused_adamw.cu Variant0-5:
+             0-3 work distributions with the same operations, 4-5 with the update's sqrt and division
+             approximate; `kernels` times the codec's choice, FASTEST_VARIANT of optim/fp8_adam.py):
+             ms and % of HBM per case x variant, and for each variant its state after a few steps
+             equal to variant 0's (0-3: masters, weights, codes, s/k/c bit for bit; 4-5: all but the
+             master and weights bit for bit, the master within 1e-6 relative), per format and
+             gradient dtype, on chunks not multiples of 128 with misaligned gradients.
   agreement  on the GPU, fast vs exact form after 20 steps of the kernel from the same start:
              identical codes, max code distance, identical k, parameter difference.
   memory     optimizer-state bytes per parameter of each format.
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megacoat.config import OptimizerConfig  # noqa: E402
-from megacoat.optim.fp8_adam import (GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,  # noqa: E402
+from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,  # noqa: E402
                                      decay_table, dequantize_groups, fused_extension, group_stats, quantize_groups)
 
 HBM_GBPS = 4300.0
@@ -97,7 +98,9 @@ CASES = [("fp8_expand_bf16grad", "fp8", True, torch.bfloat16, True),
 VARIANT_NAMES = {0: "8 lanes x 16 elements per group, 4 groups/warp, 2 blocks/SM (<= 128 regs)",
                  1: "variant 0 + L2 bulk prefetch of the warp's next unit",
                  2: "16 lanes x 8 elements per group, 2 groups/warp, 3 blocks/SM (<= 85 regs)",
-                 3: "variant 2 + L2 bulk prefetch of the warp's next unit"}
+                 3: "variant 2 + L2 bulk prefetch of the warp's next unit",
+                 4: "variant 0, the update's sqrt and division approximate (MUFU; master within 1e-6)",
+                 5: "variant 2, the update's sqrt and division approximate (MUFU; master within 1e-6)"}
 
 
 def bench_kernels(n: int, iters: int, out: dict) -> None:
@@ -199,7 +202,7 @@ def variants_bit_identical(steps: int = 4) -> dict:
                         codec.step(1e-3, grad_buf.float().norm())
                     states.append([codec.master, codec.step_count] + codec.m.tensors() + codec.v.tensors()
                                   + [c.weight for c in codec.chunks])
-                res[key] = {str(v): all(torch.equal(a, b) for a, b in zip(states[0], states[v]))
+                res[key] = {str(v): same_state(states[0], states[v], v < EXACT_VARIANTS, len(sizes))
                             for v in range(1, KERNEL_VARIANTS)}
             except Exception as e:  # noqa: BLE001
                 res[key] = {"error": f"{type(e).__name__}: {e}"}
@@ -207,6 +210,17 @@ def variants_bit_identical(steps: int = 4) -> dict:
             torch.cuda.empty_cache()
     res["all"] = all(ok is True for r in res.values() for ok in r.values())
     return res
+
+
+def same_state(ref, other, exact: bool, n_weights: int) -> bool:
+    """[master, step, moment tensors..., n_weights bf16 weights] of two runs: equal bit for bit (exact
+    variants), or (FAST_UPDATE variants) the step and moments bit for bit, the master within 1e-6
+    relative and each weight the bf16 rounding of its own run's master (checked by the tests)."""
+    if exact:
+        return all(torch.equal(a, b) for a, b in zip(ref, other))
+    rel = ((ref[0] - other[0]).abs().max() / ref[0].abs().max()).item()
+    end = len(ref) - n_weights
+    return bool(rel <= 1e-6 and all(torch.equal(a, b) for a, b in zip(ref[1:end], other[1:end])))
 
 
 def variant_codec(sizes, fmt, expand, fast, grad_dtype):
@@ -374,11 +388,26 @@ def main() -> None:
     ap.add_argument("--skip-compiled", action="store_true")
     ap.add_argument("--parts", default="", help="comma-separated subset of kernels,variants,torch_adamw,"
                     "fast_vs_exact,compiled_reference,quantization_error (default: all)")
+    ap.add_argument("--step-only", metavar="CASE:VARIANT", default="",
+                    help="only run 3 steps of one case (a name of CASES) under one kernel variant and exit: the "
+                    "target for a profiler, e.g. ncu --kernel-name regex:adamw_kernel --launch-skip 2")
     args = ap.parse_args()
     want = set(filter(None, args.parts.split(",")))
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     n = args.elements // GROUP * GROUP
+    if args.step_only:
+        case, variant = args.step_only.rsplit(":", 1)
+        spec = {c[0]: c[1:] for c in CASES}
+        if case not in spec:
+            sys.exit(f"--step-only: unknown case {case!r}; one of {sorted(spec)}")
+        fmt, expand, gd, fast = spec[case]
+        codec, _ = codec_case(n, fmt, expand, gd, fast=fast)
+        codec.variant = int(variant)
+        for _ in range(3):
+            codec.step(1e-3, torch.tensor(0.5, device="cuda"))
+        torch.cuda.synchronize()
+        return
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "elements": n, "hbm_GBps_assumed": HBM_GBPS, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

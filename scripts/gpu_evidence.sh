@@ -3,6 +3,7 @@
 #   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode, FP8 wgrad; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
+#   optncu    Nsight Compute sections of the fused AdamW kernel, one launch per NCU_CASES entry (case:variant)
 #   fp8bench / sdpbench / optbench / refreshbench   the COAT FP8, SDP4Bit, FP8-optimizer and FP8 weight-refresh kernel benchmarks (JSON; FP8_ARGS, OPT_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables
@@ -111,6 +112,15 @@ for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_benc
     timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json $extra 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
   fi
 done
+if has optncu && ! late optncu; then  # Nsight Compute on the fused AdamW kernel: one launch per NCU_CASES entry (case:variant)
+  for cv in ${NCU_CASES:-fp8_expand_fp32grad:0 fp8_expand_fp32grad:4}; do echo "== ncu $cv $(el)" | tee -a $LOG
+    timeout ${BENCH_TMO:-170} ncu --clock-control none --kernel-name regex:adamw_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 benchmarks/optimizer_bench.py --out /tmp/unused.json --step-only $cv 2>&1 | grep -v "^==PROF==" \
+      > $OUT/ncu_${cv/:/_v}.txt; tail -60 $OUT/ncu_${cv/:/_v}.txt | tee -a $LOG
+  done
+fi
 if has wgrad; then echo "== fused wgrad GEMM check $(el)" | tee -a $LOG
 python3 - <<'PY' 2>&1 | tee -a $LOG
 import torch, time

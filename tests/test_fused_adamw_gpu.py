@@ -7,8 +7,11 @@ everything is expected bit-identical; the test reports any difference). Also: ev
 (FP8 expansion in the fast exp2/log2 form and in COAT's powf form), fp32 and bf16 gradients, the
 bf16 weights written in the same pass, clip factor and skip flag on the device, agreement with
 COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-reference fallback.
-The 100-step test runs under every work distribution of the kernel (`variant`, csrc/fused_adamw.cu
-Variant0-3: the same operations, so each must equal the reference bit for bit).
+The 100-step test runs under every variant of the kernel (`variant`, csrc/fused_adamw.cu Variant0-5):
+0-3 are work distributions with the same operations, so each must equal the reference bit for bit;
+4-5 approximate the update's square root and division, so their masters need only be within 1e-6
+relative (DESIGN 5.4's tolerance), while the moments' codes and s, k, c, which do not depend on the
+master, must still be bit for bit.
 """
 import math
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 from megacoat.config import OptimizerConfig
-from megacoat.optim.fp8_adam import (GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,
+from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,
                                      _reference_with_skip, decay_table, fused_extension, reference_step)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -90,7 +93,12 @@ def test_kernel_matches_reference_100_steps(fmt, grad_dtype, variant):
         rel = ((codec.master - master).abs().max() / master.abs().max()).item()
         assert rel <= 1e-6, (t, rel)
     assert code_diffs == 0 and k_diffs == 0, (code_diffs, k_diffs)
-    assert torch.equal(codec.master, master), "masters agree within 1e-6 but not bit for bit"
+    if fmt[0] == "fp8":
+        assert all(torch.equal(a, b) for a, b in zip(codec.m.tensors() + codec.v.tensors(), m.tensors() + v.tensors()))
+    if variant < EXACT_VARIANTS:
+        assert torch.equal(codec.master, master), "masters agree within 1e-6 but not bit for bit"
+    else:
+        assert not torch.equal(codec.master, master), "the approximate update should differ somewhere"
     for c in codec.chunks:
         assert torch.equal(c.weight, codec.master[c.start: c.start + c.numel].to(torch.bfloat16))
     assert codec.step_count.item() == 100
@@ -113,7 +121,13 @@ def test_variants_equal_variant0_on_a_large_shard(grad_dtype):
                 codec.step(1e-3, grad_buf.float().norm())
             states.append([codec.master] + codec.m.tensors() + codec.v.tensors() + [c.weight for c in codec.chunks])
         for variant in range(1, KERNEL_VARIANTS):
-            assert all(torch.equal(a, b) for a, b in zip(states[0], states[variant])), (fmt, variant)
+            if variant < EXACT_VARIANTS:
+                assert all(torch.equal(a, b) for a, b in zip(states[0], states[variant])), (fmt, variant)
+            else:  # the moments bit for bit, the master within 1e-6; the last fast variant equals the first
+                assert all(torch.equal(a, b) for a, b in zip(states[0][1:-len(sizes)], states[variant][1:-len(sizes)]))
+                rel = ((states[0][0] - states[variant][0]).abs().max() / states[0][0].abs().max()).item()
+                assert rel <= 1e-6, (fmt, variant, rel)
+                assert all(torch.equal(a, b) for a, b in zip(states[EXACT_VARIANTS], states[variant])), (fmt, variant)
 
 
 def test_skip_flag_and_step_count_on_device():

@@ -324,7 +324,10 @@ def round_up_group(n: int) -> int:
 
 # ------------------------------------------------------------------------------ the kernel
 FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}  # fp8 with expansion: 3 (exact powf form), 4 (exp2/log2 form)
-KERNEL_VARIANTS = 4  # work distributions of the kernel (csrc/fused_adamw.cu Variant0-3); which one runs: FASTEST_VARIANT
+KERNEL_VARIANTS = 6  # variants of the kernel (csrc/fused_adamw.cu Variant0-5); which one runs: FASTEST_VARIANT
+# Variants 0-3 (work distributions) equal the reference bit for bit; 4-5 approximate the update's square root
+# and division (the master within 1e-6 relative, the moments' codes and s, k, c still bit for bit).
+EXACT_VARIANTS = 4
 
 
 def _format_code(ms: MomentState) -> int:
