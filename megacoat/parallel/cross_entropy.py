@@ -1,14 +1,57 @@
 """Cross entropy over vocabulary-sharded logits.
 
-Never gathers the logits: three all-reduces over TP (max, target logit, sum of exp) give the
-exact loss; backward is softmax - onehot on each rank's own vocabulary slice.
+Never gathers the logits: each rank reduces its own vocabulary slice per row to (max, sum of exp,
+target logit), two small all-reduces over TP combine them into the exact log-sum-exp, and backward is
+softmax - onehot on each rank's own slice, recomputed from the saved logits. On CUDA both passes are
+fused Triton kernels that read the logits in their own dtype (kernels/cross_entropy.py); elsewhere the
+torch references below (same signatures) run.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..kernels import cross_entropy as ce_kernels
 from .mappings import group_rank, group_size
+
+
+def row_stats_reference(x: torch.Tensor, target: torch.Tensor, valid: int):
+    """-> (m, s, t), fp32 [rows]: max of the first `valid` logits of each row (-inf if none), sum of
+    exp(x - m) over them, and x[row, target] where 0 <= target < valid (else 0)."""
+    rows = x.shape[0]
+    if valid == 0:
+        return (torch.full((rows,), float("-inf"), device=x.device), torch.zeros(rows, device=x.device),
+                torch.zeros(rows, device=x.device))
+    xf = x[:, :valid].float()
+    m = xf.max(dim=-1).values
+    s = torch.exp(xf - m.unsqueeze(-1)).sum(dim=-1)
+    inside = (target >= 0) & (target < valid)
+    t = xf.gather(-1, target.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    return m, s, t
+
+
+def softmax_grad_reference(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: int,
+                           grad_loss: torch.Tensor) -> torch.Tensor:
+    """(softmax - onehot(target)) * grad_loss over the first `valid` columns, 0 past them; x's dtype."""
+    p = torch.exp(x.float() - lse.unsqueeze(-1))
+    p[:, valid:] = 0.0
+    inside = (target >= 0) & (target < valid)
+    rows = torch.nonzero(inside).squeeze(-1)
+    p[rows, target[rows]] -= 1.0
+    return (p * grad_loss.unsqueeze(-1)).to(x.dtype)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and ce_kernels.available()
+
+
+def row_stats(x: torch.Tensor, target: torch.Tensor, valid: int):
+    return (ce_kernels.row_stats if _use_kernels(x) else row_stats_reference)(x, target, valid)
+
+
+def softmax_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: int,
+                 grad_loss: torch.Tensor) -> torch.Tensor:
+    return (ce_kernels.softmax_grad if _use_kernels(x) else softmax_grad_reference)(x, lse, target, valid, grad_loss)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -17,45 +60,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp = group_size(group)
         vocab_local = logits.shape[-1]
         start = group_rank(group) * vocab_local
-        valid_local = vocab_local if vocab_size is None else min(max(vocab_size - start, 0), vocab_local)
-        if valid_local < vocab_local:
-            # Padded vocabulary entries take no probability mass: the loss equals the unpadded one.
-            logits = logits.float().clone()
-            logits[..., valid_local:] = float("-inf")
-        else:
-            logits = logits.float()
-
-        logits_max = logits.max(dim=-1).values
+        # Padded vocabulary entries take no probability mass: the loss equals the unpadded one.
+        valid = vocab_local if vocab_size is None else min(max(vocab_size - start, 0), vocab_local)
+        x = logits.reshape(-1, vocab_local)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        local_target = (target.reshape(-1).to(torch.int64) - start).contiguous()
+        m, s, t = row_stats(x, local_target, valid)
         if tp > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= vocab_local)
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
-
-        exp = shifted.exp_()  # reuse the buffer: shifted is not needed after this
-        sum_exp = exp.sum(dim=-1)
-        if tp > 1:
-            both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=group)  # target logit and sum of exp in one message
-            target_logit, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
+            row_max = m.clone()
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            # Each slice's sum of exp rescaled to the global max (a slice without columns adds 0).
+            s = torch.where(m > float("-inf"), s * torch.exp(m - row_max), torch.zeros_like(s))
+            both = torch.stack([t, s])
+            dist.all_reduce(both, group=group)  # target logit (one rank holds it) and sum of exp in one message
+            t, s = both[0], both[1]
+            m = row_max
+        lse = m + s.log()
+        ctx.save_for_backward(x, local_target, lse)
+        ctx.valid, ctx.shape = valid, logits.shape
+        return (lse - t).view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # in place: the saved softmax is not used again
-        inside = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None
+        x, local_target, lse = ctx.saved_tensors
+        g = softmax_grad(x, lse, local_target, ctx.valid, grad_loss.reshape(-1).float().contiguous())
+        return g.view(ctx.shape), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,

@@ -1,0 +1,119 @@
+"""The vocabulary-parallel cross entropy's two passes (parallel/cross_entropy.py): the torch references
+against float64, the Triton kernels against the references (CPU: under the interpreter, in a fresh
+process; GPU: tests marked gpu), and the whole loss against torch's cross entropy. The TP=2/4 cases
+over gloo are in tests/test_parallel_units.py."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacoat.parallel.cross_entropy import (row_stats, row_stats_reference, softmax_grad, softmax_grad_reference,
+                                             vocab_parallel_cross_entropy)
+from megacoat.parallel.context import ParallelContext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def case(rows, vocab, valid, seed, dtype=torch.float32, device="cpu"):
+    """Logits with outliers and a row of equal values; targets inside, outside (another rank's slice,
+    negative) and in the padding."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x.view(-1)[::37] *= 20.0
+    x[0] = 1.5
+    target = torch.randint(0, max(valid, 1), (rows,), generator=g)
+    if rows > 3:
+        target[1], target[2], target[3] = -5, vocab + 3, min(valid, vocab - 1)  # the last: padding or inside
+    return x.to(dtype).to(device), target.to(device)
+
+
+def stats_f64(x, target, valid):
+    xd = x[:, :valid].double()
+    m = xd.max(-1).values
+    s = torch.exp(xd - m[:, None]).sum(-1)
+    inside = (target >= 0) & (target < valid)
+    t = torch.where(inside, xd.gather(-1, target.clamp(0, valid - 1)[:, None]).squeeze(-1), torch.zeros_like(m))
+    return m, s, t
+
+
+@pytest.mark.parametrize("rows,vocab,valid", [(7, 50, 50), (9, 129, 100), (4, 3000, 2999), (5, 17, 1)])
+def test_reference_stats_and_gradient_against_float64(rows, vocab, valid):
+    x, target = case(rows, vocab, valid, seed=rows + vocab)
+    m, s, t = row_stats_reference(x, target, valid)
+    md, sd, td = stats_f64(x, target, valid)
+    torch.testing.assert_close(m.double(), md)
+    torch.testing.assert_close(s.double(), sd, rtol=1e-5, atol=0)
+    torch.testing.assert_close(t.double(), td)
+    lse = m + s.log()
+    gl = torch.rand(rows, generator=torch.Generator().manual_seed(3), dtype=torch.float32) + 0.5
+    g = softmax_grad_reference(x, lse, target, valid, gl)
+    xd = x.double().clone().requires_grad_(True)
+    lsed = torch.logsumexp(xd[:, :valid], -1)
+    inside = (target >= 0) & (target < valid)
+    loss = lsed - torch.where(inside, xd.gather(-1, target.clamp(0, valid - 1)[:, None]).squeeze(-1), 0.0)
+    (loss * gl.double()).sum().backward()
+    torch.testing.assert_close(g.double(), xd.grad, rtol=1e-5, atol=1e-7)
+    assert torch.all(g[:, valid:] == 0)
+
+
+def test_no_columns_on_this_rank():
+    """A TP rank whose slice is all padding: m = -inf, s = 0, t = 0, a zero gradient."""
+    x, target = case(4, 8, 8, seed=1)
+    m, s, t = row_stats_reference(x, target, 0)
+    assert torch.all(m == float("-inf")) and torch.all(s == 0) and torch.all(t == 0)
+    g = softmax_grad_reference(x, torch.full((4,), 3.0), target, 0, torch.ones(4))
+    assert torch.all(g == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradient_equal_torch_cross_entropy(dtype):
+    ctx = ParallelContext.single()
+    x, target = case(12, 70, 70, seed=5, dtype=dtype)
+    logits = x.view(3, 4, 70).clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(logits, target.view(3, 4), ctx.tp_group, 64)  # 6 padded columns
+    ref_in = x.view(3, 4, 70)[..., :64].float().clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_in.reshape(-1, 64), target.clamp(0, 63), reduction="none").view(3, 4)
+    keep = ((target >= 0) & (target < 64)).view(3, 4)
+    torch.testing.assert_close(loss[keep], ref[keep], rtol=1e-5, atol=1e-5)
+    (loss[keep].sum()).backward()
+    ref[keep].sum().backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad[..., :64].float(), ref_in.grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.all(logits.grad[..., 64:] == 0)
+    assert torch.equal(logits.detach(), x.view(3, 4, 70)), "the logits must not be modified"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU hosts test the real kernels (test_cross_entropy_gpu)")
+def test_kernels_interpreted_match_references():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                        os.path.join(os.path.dirname(HERE), "pyproject.toml"), os.path.join(HERE, "ce_interp_cases.py")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,vocab,valid,dtype", [(8192, 32000, 32000, torch.bfloat16), (257, 50304, 50257, torch.bfloat16),
+                                                    (33, 3001, 2999, torch.float32), (5, 16000, 0, torch.bfloat16)])
+def test_kernels_match_references_on_gpu(rows, vocab, valid, dtype):
+    x, target = case(rows, vocab, valid, seed=7, dtype=dtype, device="cuda")
+    m, s, t = row_stats(x, target, valid)
+    rm, rs, rt = row_stats_reference(x, target, valid)
+    torch.testing.assert_close(m, rm)
+    torch.testing.assert_close(s, rs, rtol=2e-5, atol=0)
+    torch.testing.assert_close(t, rt)
+    lse = rm + rs.log() if valid else torch.zeros_like(rm)
+    gl = torch.rand(rows, device="cuda") + 0.5
+    g = softmax_grad(x, lse, target, valid, gl)
+    rg = softmax_grad_reference(x, lse, target, valid, gl)
+    assert g.dtype == dtype
+    tol = dict(rtol=1.6e-2, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g.float(), rg.float(), **tol)
+    assert torch.all(g[:, valid:] == 0)
