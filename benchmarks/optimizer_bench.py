@@ -147,7 +147,7 @@ def bench_variants(n: int, iters: int, out: dict) -> None:
     if fused_extension() is None:
         raise RuntimeError("the fused AdamW extension did not build")
     out["names"] = {str(v): VARIANT_NAMES.get(v, "") for v in range(KERNEL_VARIANTS)}
-    out["bit_identical_to_variant0"] = variants_bit_identical()
+    out["same_state_as_variant0"] = variants_bit_identical()
     norm = torch.tensor(0.5, device="cuda")
     variants = list(range(KERNEL_VARIANTS))
     timing = out["timing"] = {}
@@ -164,17 +164,18 @@ def bench_variants(n: int, iters: int, out: dict) -> None:
             for v in variants:
                 row[str(v)] = {"ms": best[v], "frac_of_hbm": nbytes / best[v] / 1e6 / HBM_GBPS}
             row["fastest"] = min(variants, key=lambda v: best[v])
+            row["fastest_exact"] = min(range(EXACT_VARIANTS), key=lambda v: best[v])  # bit-identical to the reference
             del codec
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"variants {name}: FAILED {e}", flush=True)
         torch.cuda.empty_cache()
-    print(f"{'case':28s}" + "".join(f"{'variant ' + str(v):>17s}" for v in variants) + "  fastest", flush=True)
+    print(f"{'case':28s}" + "".join(f"{'variant ' + str(v):>17s}" for v in variants) + "  fastest (exact)", flush=True)
     for name, row in timing.items():
         if "error" in row:
             continue
         cells = "".join(f"{row[str(v)]['ms']:8.3f} ms {100 * row[str(v)]['frac_of_hbm']:3.0f}% " for v in variants)
-        print(f"{name:28s}{cells}  {row['fastest']}", flush=True)
+        print(f"{name:28s}{cells}  {row['fastest']} ({row['fastest_exact']})", flush=True)
 
 
 def variants_bit_identical(steps: int = 4) -> dict:
@@ -206,7 +207,8 @@ def variants_bit_identical(steps: int = 4) -> dict:
                             for v in range(1, KERNEL_VARIANTS)}
             except Exception as e:  # noqa: BLE001
                 res[key] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"bit-identical to variant 0 ({key}): {res[key]}", flush=True)
+            print(f"same state as variant 0 ({key}; 0-3 bit for bit, 4-5 moments bit for bit and master within 1e-6): "
+                  f"{res[key]}", flush=True)
             torch.cuda.empty_cache()
     res["all"] = all(ok is True for r in res.values() for ok in r.values())
     return res

@@ -3,7 +3,7 @@
 #   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode, FP8 wgrad; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
-#   optncu    Nsight Compute sections of the fused AdamW kernel, one launch per NCU_CASES entry (case:variant)
+#   optncu    Nsight Compute sections of the fused AdamW kernel, one launch per NCU_CASES entry (case:variant; after build)
 #   fp8bench / sdpbench / optbench / refreshbench / cebench   the COAT FP8, SDP4Bit, FP8-optimizer, FP8 weight-refresh and fused cross-entropy benchmarks (JSON; FP8_ARGS, OPT_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables

@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from megacoat.kernels import cross_entropy as K  # noqa: E402
 from megacoat.parallel.cross_entropy import row_stats_reference, softmax_grad_reference  # noqa: E402
-from test_cross_entropy import case  # noqa: E402
+from test_cross_entropy import case, check_nonfinite, nonfinite_case  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,vocab,valid,dtype", [(6, 5000, 5000, torch.float32), (5, 4100, 4097, torch.float32),
@@ -39,3 +39,11 @@ def test_kernels_match_references(rows, vocab, valid, dtype):
     else:
         torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-8)
     assert torch.all(g[:, valid:] == 0)
+
+
+@pytest.mark.parametrize("vocab,block", [(300, 64), (2100, 1024), (2100, 2048)])
+def test_kernels_nonfinite_logits(vocab, block):
+    K.TILES["row_stats"] = K.TILES["softmax_grad"] = (block, 4)
+    x, target = nonfinite_case(vocab)
+    m, s, t = K.row_stats(x, target, vocab)
+    check_nonfinite(s.log() + (m - t))

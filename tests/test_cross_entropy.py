@@ -30,6 +30,29 @@ def case(rows, vocab, valid, seed, dtype=torch.float32, device="cpu"):
     return x.to(dtype).to(device), target.to(device)
 
 
+def nonfinite_case(vocab=300, dtype=torch.float32, device="cpu"):
+    """Rows with a NaN in the first column, a NaN after a -inf in the same lane (any tile), a NaN late
+    in the row, +inf, all -inf, and a clean row. Expected loss: NaN, NaN, NaN, NaN, inf or NaN, finite."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, vocab, generator=g)
+    x[0, 0] = float("nan")
+    x[1, 5] = float("-inf")
+    for col in (5 + 64, 5 + 1024, 5 + 2048):  # the lane of the -inf in tiles of 64, 1024, 2048 columns
+        if col < vocab:
+            x[1, col] = float("nan")
+    x[2, vocab - 2] = float("nan")
+    x[3, 7] = float("inf")
+    x[4] = float("-inf")
+    target = torch.tensor([1, 2, 3, 4, 5, 6])
+    return x.to(dtype).to(device), target.to(device)
+
+
+def check_nonfinite(loss):
+    assert torch.isnan(loss[:4]).all(), loss
+    assert not torch.isfinite(loss[4]), loss
+    assert torch.isfinite(loss[5]), loss
+
+
 def stats_f64(x, target, valid):
     xd = x[:, :valid].double()
     m = xd.max(-1).values
@@ -87,6 +110,12 @@ def test_loss_and_gradient_equal_torch_cross_entropy(dtype):
     assert torch.equal(logits.detach(), x.view(3, 4, 70)), "the logits must not be modified"
 
 
+def test_nonfinite_logits_give_a_nonfinite_loss():
+    x, target = nonfinite_case()
+    ctx = ParallelContext.single()
+    check_nonfinite(vocab_parallel_cross_entropy(x, target, ctx.tp_group))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU hosts test the real kernels (test_cross_entropy_gpu)")
 def test_kernels_interpreted_match_references():
     pytest.importorskip("triton")
@@ -117,3 +146,28 @@ def test_kernels_match_references_on_gpu(rows, vocab, valid, dtype):
     tol = dict(rtol=1.6e-2, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g.float(), rg.float(), **tol)
     assert torch.all(g[:, valid:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_kernels_nonfinite_logits_on_gpu(vocab):
+    x, target = nonfinite_case(vocab, torch.bfloat16, "cuda")
+    check_nonfinite(vocab_parallel_cross_entropy(x, target, ParallelContext.single().tp_group))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_with_64_bit_offsets_on_gpu():
+    """10,000 x 256,000 bf16 logits: offsets past 2^31 elements (the last rows)."""
+    x, target = case(10000, 256000, 256000, seed=3, dtype=torch.bfloat16, device="cuda")
+    m, s, t = row_stats(x, target, 256000)
+    rm, rs, rt = row_stats_reference(x[-4:], target[-4:], 256000)
+    torch.testing.assert_close(m[-4:], rm)
+    torch.testing.assert_close(s[-4:], rs, rtol=2e-5, atol=0)
+    torch.testing.assert_close(t[-4:], rt)
+    lse = m + s.log()
+    gl = torch.ones(10000, device="cuda")
+    g = softmax_grad(x, lse, target, 256000, gl)
+    torch.testing.assert_close(g[-4:].float(), softmax_grad_reference(x[-4:], lse[-4:], target[-4:], 256000, gl[-4:]).float(),
+                               rtol=1.6e-2, atol=1e-6)

@@ -71,15 +71,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = m.clone()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
             # Each slice's sum of exp rescaled to the global max (a slice without columns adds 0).
-            s = torch.where(m > float("-inf"), s * torch.exp(m - row_max), torch.zeros_like(s))
+            s = torch.where(m == float("-inf"), torch.zeros_like(s), s * torch.exp(m - row_max))  # NaN stays NaN
             both = torch.stack([t, s])
             dist.all_reduce(both, group=group)  # target logit (one rank holds it) and sum of exp in one message
             t, s = both[0], both[1]
             m = row_max
-        lse = m + s.log()
-        ctx.save_for_backward(x, local_target, lse)
+        log_s = s.log()
+        ctx.save_for_backward(x, local_target, m + log_s)
         ctx.valid, ctx.shape = valid, logits.shape
-        return (lse - t).view(target.shape)
+        # log s + (m - t): the loss without the rounding of m + log s (small losses of large logits).
+        # A target outside [0, vocab) adds no target term (such tokens are for the loss mask to drop).
+        return (log_s + (m - t)).view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):

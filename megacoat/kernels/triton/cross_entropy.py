@@ -31,15 +31,20 @@ def row_stats_kernel(x_ptr, tgt_ptr, m_ptr, s_ptr, t_ptr, V, valid, stride, BLOC
     cols = tl.arange(0, BLOCK)
     m_vec = tl.full([BLOCK], NEG_INF, tl.float32)
     s_vec = tl.zeros([BLOCK], tl.float32)
+    nan_vec = tl.zeros([BLOCK], tl.int32)
     for v0 in range(0, valid, BLOCK):
         c = v0 + cols
         x = _masked_logits(base, c, V, valid)
+        # max(a, NaN) is a (the hardware's max.f32), and the where below would then drop the NaN:
+        # NaNs are counted apart so that a row with one gets a NaN loss, as torch's max would give.
+        nan_vec += (x != x).to(tl.int32)
         m_new = tl.maximum(m_vec, x)
         # A lane that has seen only -inf keeps s = 0 (exp(-inf - -inf) would be NaN).
         s_vec = tl.where(m_new > NEG_INF, s_vec * tl.exp(m_vec - m_new) + tl.exp(x - m_new), 0.0)
         m_vec = m_new
     m = tl.max(m_vec, axis=0)
     s = tl.sum(tl.where(m_vec > NEG_INF, s_vec * tl.exp(m_vec - m), 0.0), axis=0)
+    s = tl.where(tl.sum(nan_vec, axis=0) > 0, float("nan"), s)
     tgt = tl.load(tgt_ptr + row)
     inside = (tgt >= 0) & (tgt < valid)
     t = tl.load(base + tl.where(inside, tgt, 0), mask=inside, other=0.0).to(tl.float32)
@@ -60,4 +65,5 @@ def softmax_grad_kernel(x_ptr, g_ptr, lse_ptr, tgt_ptr, gl_ptr, V, valid, stride
     x = _masked_logits(x_ptr + row * stride_x, c, V, valid)
     p = tl.exp(x - tl.load(lse_ptr + row))
     p = tl.where((c == tl.load(tgt_ptr + row)) & (c < valid), p - 1.0, p)  # a target in the padding: no -1
+    p = tl.where(c < valid, p, 0.0)  # padding: 0 even where lse is -inf or NaN (exp(-inf - lse) would be NaN)
     tl.store(g_ptr + row * stride_g + c, (p * tl.load(gl_ptr + row)).to(g_ptr.dtype.element_ty), mask=c < V)
