@@ -147,9 +147,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
 
 
 // exp2f without its denormal path: exp2f(x) is MUFU.EX2 for x >= -126 and, below, ex2(x / 2) squared
-// (4 instructions); this is the MUFU.EX2 alone (1), which gives the same bits for x >= -126 and 0 below.
-// Used where the result is quantized to E4M3 right after: anything below 2^-126 becomes the code +-0
-// either way (E4M3's smallest step is 2^-9), so the codes are those of exp2f.
+// (4 instructions); this is the MUFU.EX2 alone (1), which gives the same bits for x >= -126 and 0 for
+// results below 2^-126. Quantizing, that changes no code (anything below 2^-126 is the code +-0, E4M3's
+// smallest step being 2^-9); dequantizing, the reference flushes those results to 0 too.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -249,7 +249,8 @@ template <int FMT>
 __device__ __forceinline__ float dequant(uint32_t b, const Dq& d, const float2* tab) {
   if (FMT == kFp8ExpandFast) {
     const float2 t = tab[b & 0xff];
-    return __fmul_rn(t.y, exp2f(__fadd_rn(__fmul_rn(__fadd_rn(t.x, d.s), d.inv_k), d.c)));
+    // exp2 without denormals, as the reference (fp8_adam.dequantize_groups flushes results below 2^-126)
+    return __fmul_rn(t.y, exp2_ftz(__fadd_rn(__fmul_rn(__fadd_rn(t.x, d.s), d.inv_k), d.c)));
   }
   float y = __fmul_rn(fp8_to_float(b & 0xff), d.s);
   if (FMT == kFp8Expand) y = __fmul_rn(__fmul_rn(sign_of(y), powf(fabsf(y), d.inv_k)), d.c);
@@ -297,14 +298,14 @@ __device__ __forceinline__ float log2_lut(float x, const float2* tab) {
   return b < 0x00800000u ? -CUDART_INF_F : lg;
 }
 
-// The E4M3 code of x (before the final conversion: the clamped fp32 value).
+// The E4M3 code of x before the final conversion, which saturates (cvt.rn.satfinite: +-inf and
+// |y| > 448 become +-448, exactly the reference's clamp to +-448; no clamp instructions here).
 template <int FMT>
 __device__ __forceinline__ float quant(float x, const Q& q, const float2* lg_tab) {
   float y;
   if (FMT == kFp8ExpandFast) {
     // log2(0) = -inf -> exp2 -> 0: zeros stay zero. The reference multiplies by sign(x); negating
-    // where x < 0 gives the same value after the clamp (e >= 0; x = +-0: e is 0; a NaN e, from a NaN
-    // group statistic, clamps to -448 whatever its sign), one instruction instead of four.
+    // where x < 0 gives the same code (e >= 0; x = +-0: e is 0), one instruction instead of four.
     const float e = exp2_ftz(__fsub_rn(__fmul_rn(q.k, log2_lut(x, lg_tab)), q.a));
     y = x < 0.f ? -e : e;
   } else {
@@ -312,7 +313,7 @@ __device__ __forceinline__ float quant(float x, const Q& q, const float2* lg_tab
     if (FMT == kFp8Expand) y = __fmul_rn(sign_of(y), powf(__fdiv_rn(fabsf(y), q.c), q.k));
     y = __fdiv_rn(y, q.s);
   }
-  return fminf(fmaxf(y, -448.f), 448.f);
+  return y;
 }
 
 // The chunk holding group g, looked up only when g leaves the current one (a lane's groups only

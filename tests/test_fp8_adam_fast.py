@@ -181,3 +181,18 @@ def test_log2_lut_accuracy_and_edges():
     assert torch.equal(log2_lut(-x[:100]), log2_lut(x[:100]))
     edge = log2_lut(torch.tensor([0.0, -0.0, 1e-40, -1e-39]))
     assert torch.isinf(edge).all() and (edge < 0).all()
+
+
+def test_fast_dequantization_flushes_results_below_fp32_normals():
+    """The fast form's exp2 has no denormal path (the kernel's MUFU.EX2): values below 2^-126 dequantize
+    to 0 (a moment decaying under zero gradients reaches them); the exact form keeps them."""
+    q = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    s = torch.tensor([2.0 ** -135, 2.0 ** -100])
+    k = torch.ones(2)
+    c = torch.ones(2)
+    fast = dequantize_groups(q, s, k, c, expand=True, fast=True)
+    exact = dequantize_groups(q, s, k, c, expand=True, fast=False)
+    tiny = (exact.abs() < 2.0 ** -126) & (exact != 0)
+    assert tiny[0].sum() > 100 and not tiny[1].any()      # group 0: all but the largest codes are denormal
+    assert torch.all(fast[tiny] == 0)
+    torch.testing.assert_close(fast[~tiny], exact[~tiny], rtol=1e-5, atol=0, equal_nan=True)  # 0x7f, 0xff: NaN

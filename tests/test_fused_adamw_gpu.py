@@ -130,6 +130,39 @@ def test_variants_equal_variant0_on_a_large_shard(grad_dtype):
                 assert all(torch.equal(a, b) for a, b in zip(states[EXACT_VARIANTS], states[variant])), (fmt, variant)
 
 
+@pytest.mark.parametrize("variant", [0, EXACT_VARIANTS], ids=["exact_update", "fast_update"])
+def test_moments_decaying_into_the_denormals_match_the_reference(variant):
+    """Moments whose values straddle fp32's smallest normal (a moment decaying under zero gradients gets
+    there): the fast form dequantizes values below 2^-126 to 0 in the kernel (MUFU.EX2 without its
+    denormal path) and in the reference alike, so codes and s, k, c stay identical."""
+    codec, grad_buf, g = _setup(("fp8", "fp8", True, True), torch.float32, sizes=[1000, 77, 300])
+    codec.variant = variant
+    n = codec.master.numel()
+    m = MomentState("fp8", n, "cuda", True, True)
+    v = MomentState("fp8", n, "cuda", True, True)
+    codes = torch.randint(0, 0x7E, (n,), generator=g, device="cuda", dtype=torch.int64).to(torch.uint8)
+    signs = (torch.rand(n, generator=g, device="cuda") < 0.5).to(torch.uint8) * 0x80
+    groups = n // GROUP
+    s = 2.0 ** torch.linspace(-140, -110, groups, device="cuda")  # from all-denormal groups to all-normal ones
+    for st, data in ((codec.m, codes | signs), (m, codes | signs), (codec.v, codes), (v, codes)):
+        st.data.copy_(data)
+        st.s.copy_(s)
+        st.k.fill_(1.0)
+        st.c.fill_(1.0)
+    master = codec.master.clone()
+    step = torch.zeros((), device="cuda")
+    grad_buf.zero_()
+    flat = torch.zeros(n, device="cuda")
+    for t in range(5):
+        assert bool(codec.step(1e-3, torch.zeros((), device="cuda")))
+        reference_step(master, [Chunk(0, n, flat)], m, v, codec.group_decay, codec.hp, 1e-3,
+                       torch.ones((), device="cuda"), step)
+        step += 1
+        for a, b in zip(codec.m.tensors() + codec.v.tensors(), m.tensors() + v.tensors()):
+            assert torch.equal(a, b), t
+    assert (codec.m.data != 0).any()
+
+
 def test_skip_flag_and_step_count_on_device():
     codec, grad_buf, g = _setup(("fp8", "fp8", True), torch.bfloat16)
     grad_buf.copy_(torch.randn(grad_buf.numel(), generator=g, device="cuda").bfloat16())
