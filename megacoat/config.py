@@ -137,6 +137,10 @@ class PrecisionConfig:
     gradient_accumulation_fusion: bool = _f(
         True, "The weight-gradient GEMM accumulates straight into the fp32 (or bf16) main gradient buffer "
               "(where supported: CUDA; elsewhere the gradient is added after the GEMM).")
+    cross_entropy_loss_fusion: Optional[bool] = _f(
+        None, "The language-model loss through fused Triton kernels that read the logits in their own dtype "
+              "(no fp32 copy of the [tokens, vocabulary] logits, no saved softmax). Default: on where they run "
+              "(CUDA with Triton); --no-cross-entropy-loss-fusion: the eager torch computation.", tristate=True)
 
 
 @dataclass

@@ -160,7 +160,8 @@ class GPTModel(nn.Module):
         if labels is None:
             full = gather_from_tp_region(logits, self.lc.tp_group).transpose(0, 1)
             return full[..., : self.vocab_size]
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.lc.tp_group, self.vocab_size,
+                                            fused=self.lc.cross_entropy_fusion)
         return loss.transpose(0, 1)
 
     def num_parameters(self) -> int:

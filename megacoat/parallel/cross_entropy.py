@@ -41,22 +41,23 @@ def softmax_grad_reference(x: torch.Tensor, lse: torch.Tensor, target: torch.Ten
     return (p * grad_loss.unsqueeze(-1)).to(x.dtype)
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda and ce_kernels.available()
+def _use_kernels(x: torch.Tensor, fused: bool = True) -> bool:
+    return fused and x.is_cuda and ce_kernels.available()
 
 
-def row_stats(x: torch.Tensor, target: torch.Tensor, valid: int):
-    return (ce_kernels.row_stats if _use_kernels(x) else row_stats_reference)(x, target, valid)
+def row_stats(x: torch.Tensor, target: torch.Tensor, valid: int, fused: bool = True):
+    return (ce_kernels.row_stats if _use_kernels(x, fused) else row_stats_reference)(x, target, valid)
 
 
 def softmax_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: int,
-                 grad_loss: torch.Tensor) -> torch.Tensor:
-    return (ce_kernels.softmax_grad if _use_kernels(x) else softmax_grad_reference)(x, lse, target, valid, grad_loss)
+                 grad_loss: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    kernel = ce_kernels.softmax_grad if _use_kernels(x, fused) else softmax_grad_reference
+    return kernel(x, lse, target, valid, grad_loss)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, vocab_size):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, vocab_size, fused: bool):
         tp = group_size(group)
         vocab_local = logits.shape[-1]
         start = group_rank(group) * vocab_local
@@ -66,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if x.stride(-1) != 1:
             x = x.contiguous()
         local_target = (target.reshape(-1).to(torch.int64) - start).contiguous()
-        m, s, t = row_stats(x, local_target, valid)
+        m, s, t = row_stats(x, local_target, valid, fused)
         if tp > 1:
             row_max = m.clone()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -78,7 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             m = row_max
         log_s = s.log()
         ctx.save_for_backward(x, local_target, m + log_s)
-        ctx.valid, ctx.shape = valid, logits.shape
+        ctx.valid, ctx.shape, ctx.fused = valid, logits.shape, fused
         # log s + (m - t): the loss without the rounding of m + log s (small losses of large logits).
         # A target outside [0, vocab) adds no target term (such tokens are for the loss mask to drop).
         return (log_s + (m - t)).view(target.shape)
@@ -86,14 +87,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         x, local_target, lse = ctx.saved_tensors
-        g = softmax_grad(x, lse, local_target, ctx.valid, grad_loss.reshape(-1).float().contiguous())
-        return g.view(ctx.shape), None, None, None
+        g = softmax_grad(x, lse, local_target, ctx.valid, grad_loss.reshape(-1).float().contiguous(), ctx.fused)
+        return g.view(ctx.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+                                 vocab_size: int | None = None, fused: bool = True) -> torch.Tensor:
     """Per-token loss [...] from logits [..., padded_vocab/tp] (fp32 math) and global target ids [...].
 
-    `vocab_size` (unpadded) excludes the padding columns from the softmax.
+    `vocab_size` (unpadded) excludes the padding columns from the softmax. `fused`: the Triton kernels
+    where they run (CUDA); False: the torch references (--no-cross-entropy-loss-fusion).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, fused)
