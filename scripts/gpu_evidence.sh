@@ -10,6 +10,7 @@
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
 #                   bf16_cudagraphs / coat_cudagraphs: with TORCHINDUCTOR_CUDAGRAPHS=1, coat_castperuse: --fp8-weight-cache none,
+#                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion,
 #                   only when named); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
@@ -163,6 +164,9 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
+  # The loss through the eager torch path instead of the fused kernels (only when named)
+  c1 bf16_eagerce && mc c1_bf16_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-cross-entropy-loss-fusion
+  c1 coat_eagerce && mc c1_coat_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-cross-entropy-loss-fusion
   # FP8 weights cast at each use instead of kept for the step (only when named)
   c1 coat_castperuse && mc c1_coat_castperuse${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
