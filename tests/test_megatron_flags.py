@@ -199,3 +199,11 @@ def test_recompute_under_coat_fp8_gives_identical_gradients():
         loss, got, counts = _grads_and_forward_counts(flags + RECOMPUTE[name], 1)
         assert loss == ref_loss and all(torch.equal(got[n], ref[n]) for n in ref), name
         assert counts["layers.0.attention._core"] == 4, counts
+
+
+def test_cross_entropy_loss_fusion_flag():
+    """Megatron's --cross-entropy-loss-fusion is accepted; here it is on by default (None: where the kernels
+    run) and --no-cross-entropy-loss-fusion turns it off (the GPU test compares both paths)."""
+    assert parse_args([]).precision.cross_entropy_loss_fusion is None
+    assert parse_args(["--cross-entropy-loss-fusion"]).precision.cross_entropy_loss_fusion is True
+    assert parse_args(["--no-cross-entropy-loss-fusion"]).precision.cross_entropy_loss_fusion is False
