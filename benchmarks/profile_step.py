@@ -1,6 +1,6 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--no-profiler]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--no-profiler] [--by-shape]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
@@ -230,6 +230,9 @@ def main():
     guard_ab = "--guard-ab" in argv
     if guard_ab:
         argv.remove("--guard-ab")
+    by_shape = "--by-shape" in argv  # also the ops grouped by input shapes (which copy, which sum is which)
+    if by_shape:
+        argv.remove("--by-shape")
     use_profiler = "--no-profiler" not in argv  # --no-profiler: only the timings above
     if not use_profiler:
         argv.remove("--no-profiler")
@@ -261,7 +264,7 @@ def main():
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
     if tr.device.type == "cuda":
         torch.cuda.synchronize()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=by_shape) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             tr.train_step(tr._next_micro_batches(it))
@@ -271,6 +274,10 @@ def main():
     key = "self_cuda_time_total" if tr.device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     print(averages.table(sort_by=key, row_limit=30, max_name_column_width=70))
+    if by_shape:
+        print("by input shapes:")
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=40, max_name_column_width=40,
+                                                                 max_shapes_column_width=90))
     if tr.device.type == "cuda":
         # Kernels only (device-type events, as the table's footer counts them): ops carry their kernels' time too.
         busy = sum(e.self_device_time_total for e in averages
