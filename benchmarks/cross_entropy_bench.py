@@ -23,23 +23,7 @@ from megacoat.kernels import cross_entropy as K  # noqa: E402
 from megacoat.parallel import cross_entropy as CE  # noqa: E402
 from megacoat.parallel.context import ParallelContext  # noqa: E402
 
-HBM_GBPS = 4300.0
-
-
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+from bench_timing import HBM_GBPS, timed  # noqa: E402
 
 
 def fwd_bwd(path: str, logits: torch.Tensor, target: torch.Tensor, group):

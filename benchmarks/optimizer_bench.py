@@ -45,24 +45,7 @@ from megacoat.config import OptimizerConfig  # noqa: E402
 from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,  # noqa: E402
                                      decay_table, dequantize_groups, fused_extension, group_stats, quantize_groups)
 
-HBM_GBPS = 4300.0
-
-
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over iters calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+from bench_timing import HBM_GBPS, timed  # noqa: E402
 
 
 def state_bytes(fmt: str) -> float:

@@ -2,19 +2,14 @@
 against float64, the Triton kernels against the references (CPU: under the interpreter, in a fresh
 process; GPU: tests marked gpu), and the whole loss against torch's cross entropy. The TP=2/4 cases
 over gloo are in tests/test_parallel_units.py."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interp_runner import assert_interpreted_cases_pass
 
 from megacoat.parallel.cross_entropy import (row_stats, row_stats_reference, softmax_grad, softmax_grad_reference,
                                              vocab_parallel_cross_entropy)
 from megacoat.parallel.context import ParallelContext
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def case(rows, vocab, valid, seed, dtype=torch.float32, device="cpu"):
@@ -116,15 +111,10 @@ def test_nonfinite_logits_give_a_nonfinite_loss():
     check_nonfinite(vocab_parallel_cross_entropy(x, target, ctx.tp_group))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU hosts test the real kernels (test_cross_entropy_gpu)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU hosts test the real kernels (the gpu-marked tests below)")
 def test_kernels_interpreted_match_references():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
-                        os.path.join(os.path.dirname(HERE), "pyproject.toml"), os.path.join(HERE, "ce_interp_cases.py")],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    assert_interpreted_cases_pass("ce_interp_cases.py")
 
 
 @pytest.mark.gpu
