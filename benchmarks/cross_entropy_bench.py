@@ -6,7 +6,7 @@ F.cross_entropy on fp32-upcast logits (what a plain PyTorch model does). Per pat
 events), the memory the pass adds at its peak over the logits (the gradient included), and for the kernels
 the bytes they move against ~4.3 TB/s. Also checks that the three losses and gradients agree.
 
-    python benchmarks/cross_entropy_bench.py --out /tmp/ce.json [--tokens 8192 --vocab 32000]
+    python benchmarks/cross_entropy_bench.py --out /tmp/ce.json [--tokens 8192 --vocab 32000] [--tiles]
 """
 import argparse
 import json
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiles", action="store_true", help="also sweep each kernel's (BLOCK, num_warps) and report the "
+                    "fastest (kernels/cross_entropy.py TILES)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -87,7 +89,31 @@ def main() -> None:
         ms = timed(fn, args.iters)
         res[name] = {"ms": ms, "bytes": nbytes, "frac_of_hbm": nbytes / ms / 1e6 / HBM_GBPS}
         print(f"{name:20s} {ms * 1e3:8.1f} us  {100 * res[name]['frac_of_hbm']:.0f}% of HBM", flush=True)
+    if args.tiles:
+        res["tiles"] = sweep_tiles(x, tgt, lse, gl, v, args.iters)
     json.dump(res, open(args.out, "w"), indent=1)
+
+
+def sweep_tiles(x, tgt, lse, gl, v, iters: int) -> dict:
+    """Each kernel under every (BLOCK, num_warps) of the grid below; the launchers' TILES restored after."""
+    out, saved = {}, dict(K.TILES)
+    try:
+        for name, fn in (("row_stats", lambda: K.row_stats(x, tgt, v)),
+                         ("softmax_grad", lambda: K.softmax_grad(x, lse, tgt, v, gl))):
+            rows = {}
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (4, 8, 16):
+                    K.TILES[name] = (block, warps)
+                    rows[f"{block}x{warps}"] = timed(fn, iters)
+            K.TILES[name] = saved[name]
+            best = min(rows, key=rows.get)
+            out[name] = {"us": {k: round(t * 1e3, 1) for k, t in rows.items()}, "fastest": best,
+                         "current": "{}x{}".format(*saved[name])}
+            print(f"{name}: fastest {best} {rows[best] * 1e3:.1f} us; current {out[name]['current']} "
+                  f"{rows[out[name]['current']] * 1e3:.1f} us", flush=True)
+    finally:
+        K.TILES.update(saved)
+    return out
 
 
 if __name__ == "__main__":
