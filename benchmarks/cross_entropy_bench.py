@@ -101,10 +101,10 @@ def sweep_tiles(x, tgt, lse, gl, v, iters: int) -> dict:
         for name, fn in (("row_stats", lambda: K.row_stats(x, tgt, v)),
                          ("softmax_grad", lambda: K.softmax_grad(x, lse, tgt, v, gl))):
             rows = {}
-            for block in (1024, 2048, 4096, 8192):
-                for warps in (4, 8, 16):
-                    K.TILES[name] = (block, warps)
-                    rows[f"{block}x{warps}"] = timed(fn, iters)
+            grid = {(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)} | {saved[name]}
+            for block, warps in sorted(grid):
+                K.TILES[name] = (block, warps)
+                rows[f"{block}x{warps}"] = timed(fn, iters)
             K.TILES[name] = saved[name]
             best = min(rows, key=rows.get)
             out[name] = {"us": {k: round(t * 1e3, 1) for k, t in rows.items()}, "fastest": best,

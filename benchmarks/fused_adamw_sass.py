@@ -9,7 +9,7 @@ plus any cold code placed inside it), MUFU and fp32 arithmetic instructions, cal
 subroutines (IEEE division and square root). What it is for: comparing variants and changes before an
 H200 run (nothing here is a timing).
 
-    python benchmarks/fused_adamw_sass.py --formats 0,2,4 [--out counts.json]
+    python benchmarks/fused_adamw_sass.py --formats 0,2,4 [--out counts.json] [--revision REV --variants 4]
 """
 import argparse
 import collections
@@ -24,13 +24,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "csrc", "fused_adamw.cu")
 TORCH_INCLUDES = ("#include <torch/extension.h>", "#include <c10/cuda/CUDAException.h>",
                   "#include <c10/cuda/CUDAStream.h>")
-KERNEL_RE = re.compile(r"adamw_kernelILi(\d)EfLb1ENS_7VariantILi(\d+)ELi(\d)ELb(\d)ELb(\d)")
+# Variant<LANES, MIN_BLOCKS, PREFETCH[, FAST_UPDATE]>: before session 9 the template had three parameters.
+KERNEL_RE = re.compile(r"adamw_kernelILi(\d)EfLb1ENS_7VariantILi(\d+)ELi(\d)ELb(\d)E(?:Lb(\d)E)?")
 INSTR_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def kernel_source(formats, variants: int) -> str:
-    """The file up to its host code, without torch, plus explicit instantiations (fp32 gradients)."""
-    text = open(SRC).read()
+def kernel_source(formats, variants: int, revision: str = "") -> str:
+    """The file (at a git revision, or as it is) up to its host code, without torch, plus explicit
+    instantiations (fp32 gradients)."""
+    if revision:
+        text = subprocess.run(["git", "show", f"{revision}:csrc/fused_adamw.cu"], cwd=os.path.dirname(SRC),
+                              capture_output=True, text=True, check=True).stdout
+    else:
+        text = open(SRC).read()
     body = text[: text.index("void check(bool ok")]
     for inc in TORCH_INCLUDES:
         body = body.replace(inc, "")
@@ -45,7 +51,7 @@ def count(sass: str) -> list:
         m = KERNEL_RE.search(fn.split("\n", 1)[0])
         if not m:
             continue
-        fmt, lanes, min_blocks, prefetch, fast_update = map(int, m.groups())
+        fmt, lanes, min_blocks, prefetch, fast_update = (int(g or 0) for g in m.groups())
         instrs = INSTR_RE.findall(fn)
         ops = collections.Counter(op.split(".")[0] for _, op, _ in instrs)
         addrs = [int(a, 16) for a, _, _ in instrs]
@@ -67,6 +73,8 @@ def main() -> None:
                     "absmax, 3 fp8 expansion powf form, 4 fp8 expansion exp2 form)")
     ap.add_argument("--variants", type=int, default=None, help="how many variants (default: the codec's)")
     ap.add_argument("--cuda-root", default="", help="a directory with bin/nvcc and include/ (default: PATH)")
+    ap.add_argument("--revision", default="", help="count the kernel of this git revision (e.g. 1bbaf18; give "
+                    "--variants as that revision had them)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     formats = [int(f) for f in args.formats.split(",")]
@@ -82,7 +90,7 @@ def main() -> None:
         inc = ["-I", os.path.join(args.cuda_root, "include")]
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
-        open(cu, "w").write(kernel_source(formats, variants))
+        open(cu, "w").write(kernel_source(formats, variants, args.revision))
         try:
             build = subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                                     "-diag-suppress", "177", *inc, cu, "-o", cubin],
@@ -98,14 +106,15 @@ def main() -> None:
     for name, r in regs:
         m = KERNEL_RE.search(name)
         if m:
-            reg_of[tuple(map(int, m.groups()))] = int(r)
+            reg_of[tuple(int(g or 0) for g in m.groups())] = int(r)
     for row in rows:
         row["registers"] = reg_of.get((row["format"], row["lanes"], row["min_blocks"], row["prefetch"],
                                        row["fast_update"]))
         print("format {format} lanes {lanes:2d} prefetch {prefetch} fast_update {fast_update}: registers {registers}, "
               "instructions {instructions}, loop {loop}, MUFU {mufu}, fp32 {fp32}, calls {calls}".format(**row))
     if args.out:
-        json.dump({"source": "csrc/fused_adamw.cu", "arch": "sm_90a", "rows": rows}, open(args.out, "w"), indent=1)
+        json.dump({"source": "csrc/fused_adamw.cu" + (f" at {args.revision}" if args.revision else ""),
+                   "arch": "sm_90a", "rows": rows}, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

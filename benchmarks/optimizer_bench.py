@@ -382,12 +382,15 @@ def main() -> None:
         sys.exit("needs a CUDA GPU")
     n = args.elements // GROUP * GROUP
     if args.step_only:
-        case, variant = args.step_only.rsplit(":", 1)
+        case, _, variant = args.step_only.rpartition(":")
         spec = {c[0]: c[1:] for c in CASES}
-        if case not in spec:
-            sys.exit(f"--step-only: unknown case {case!r}; one of {sorted(spec)}")
+        if case not in spec or not variant.isdigit() or int(variant) >= KERNEL_VARIANTS:
+            sys.exit(f"--step-only CASE:VARIANT, got {args.step_only!r}: CASE one of {sorted(spec)}, "
+                     f"VARIANT 0-{KERNEL_VARIANTS - 1}")
         fmt, expand, gd, fast = spec[case]
         codec, _ = codec_case(n, fmt, expand, gd, fast=fast)
+        if codec.ext is None:
+            sys.exit("--step-only: the fused AdamW extension did not build (nothing to profile)")
         codec.variant = int(variant)
         for _ in range(3):
             codec.step(1e-3, torch.tensor(0.5, device="cuda"))

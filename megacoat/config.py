@@ -140,7 +140,8 @@ class PrecisionConfig:
     cross_entropy_loss_fusion: Optional[bool] = _f(
         None, "The language-model loss through fused Triton kernels that read the logits in their own dtype "
               "(no fp32 copy of the [tokens, vocabulary] logits, no saved softmax). Default: on where they run "
-              "(CUDA with Triton); --no-cross-entropy-loss-fusion: the eager torch computation.", tristate=True)
+              "(CUDA with Triton); --no-cross-entropy-loss-fusion: torch operations on an fp32 copy of the logits, "
+              "as before the fusion.", tristate=True)
 
 
 @dataclass

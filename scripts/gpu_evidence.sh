@@ -114,7 +114,9 @@ for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_benc
   fi
 done
 if has optncu && ! late optncu; then  # Nsight Compute on the fused AdamW kernel: one launch per NCU_CASES entry (case:variant)
-  for cv in ${NCU_CASES:-fp8_expand_fp32grad:0 fp8_expand_fp32grad:4}; do echo "== ncu $cv $(el)" | tee -a $LOG
+  command -v ncu >/dev/null || echo "-- optncu: no ncu on PATH" | tee -a $LOG
+  for cv in $(command -v ncu >/dev/null && echo ${NCU_CASES:-fp8_expand_fp32grad:0 fp8_expand_fp32grad:4}); do
+    echo "== ncu $cv $(el)" | tee -a $LOG
     timeout ${BENCH_TMO:-170} ncu --clock-control none --kernel-name regex:adamw_kernel --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -164,7 +166,7 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
-  # The loss through the eager torch path instead of the fused kernels (only when named)
+  # The loss through torch operations on an fp32 copy of the logits instead of the fused kernels (only when named)
   c1 bf16_eagerce && mc c1_bf16_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-cross-entropy-loss-fusion
   c1 coat_eagerce && mc c1_coat_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-cross-entropy-loss-fusion
   # FP8 weights cast at each use instead of kept for the step (only when named)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from interp_runner import assert_interpreted_cases_pass
 
+from megacoat.kernels import cross_entropy as ce_kernels
+
 from megacoat.parallel.cross_entropy import (row_stats, row_stats_reference, softmax_grad, softmax_grad_reference,
                                              vocab_parallel_cross_entropy)
 from megacoat.parallel.context import ParallelContext
@@ -122,6 +124,7 @@ def test_kernels_interpreted_match_references():
 @pytest.mark.parametrize("rows,vocab,valid,dtype", [(8192, 32000, 32000, torch.bfloat16), (257, 50304, 50257, torch.bfloat16),
                                                     (33, 3001, 2999, torch.float32), (5, 16000, 0, torch.bfloat16)])
 def test_kernels_match_references_on_gpu(rows, vocab, valid, dtype):
+    assert ce_kernels.available(), "Triton should run here: the dispatch would fall back to the references"
     x, target = case(rows, vocab, valid, seed=7, dtype=dtype, device="cuda")
     m, s, t = row_stats(x, target, valid)
     rm, rs, rt = row_stats_reference(x, target, valid)
@@ -142,6 +145,7 @@ def test_kernels_match_references_on_gpu(rows, vocab, valid, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("vocab", [300, 5000])
 def test_kernels_nonfinite_logits_on_gpu(vocab):
+    assert ce_kernels.available()
     x, target = nonfinite_case(vocab, torch.bfloat16, "cuda")
     check_nonfinite(vocab_parallel_cross_entropy(x, target, ParallelContext.single().tp_group))
 
@@ -149,8 +153,11 @@ def test_kernels_nonfinite_logits_on_gpu(vocab):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_with_64_bit_offsets_on_gpu():
-    """10,000 x 256,000 bf16 logits: offsets past 2^31 elements (the last rows)."""
-    x, target = case(10000, 256000, 256000, seed=3, dtype=torch.bfloat16, device="cuda")
+    """10,000 x 256,000 bf16 logits: offsets past 2^31 elements (the last rows). Made on the GPU (2.6e9 normals)."""
+    assert ce_kernels.available()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(10000, 256000, generator=gen, device="cuda", dtype=torch.bfloat16) * 4)
+    target = torch.randint(0, 256000, (10000,), generator=gen, device="cuda")
     m, s, t = row_stats(x, target, 256000)
     rm, rs, rt = row_stats_reference(x[-4:], target[-4:], 256000)
     torch.testing.assert_close(m[-4:], rm)
@@ -168,6 +175,7 @@ def test_kernels_with_64_bit_offsets_on_gpu():
 def test_fused_and_eager_loss_agree_on_gpu():
     """vocab_parallel_cross_entropy with fused=True (kernels) and fused=False (references, the path of
     --no-cross-entropy-loss-fusion) on the same bf16 logits: losses and gradients agree."""
+    assert ce_kernels.available()
     x, target = case(2048, 32000, 31990, seed=9, dtype=torch.bfloat16, device="cuda")
     group = ParallelContext.single().tp_group
     out = []

@@ -132,23 +132,29 @@ def test_variants_equal_variant0_on_a_large_shard(grad_dtype):
 
 @pytest.mark.parametrize("variant", [0, EXACT_VARIANTS], ids=["exact_update", "fast_update"])
 def test_moments_decaying_into_the_denormals_match_the_reference(variant):
-    """Moments whose values straddle fp32's smallest normal (a moment decaying under zero gradients gets
-    there): the fast form dequantizes values below 2^-126 to 0 in the kernel (MUFU.EX2 without its
-    denormal path) and in the reference alike, so codes and s, k, c stay identical."""
+    """Groups whose values straddle fp32's smallest normal while their max stays far above the statistics'
+    1e-30 floor (a moment decaying under zero gradients gets there): with k = 1/4 a group's values are
+    (|q| s)^4, from ~2^-160 to ~2^-90. The fast form dequantizes those below 2^-126 to 0 in the kernel
+    (MUFU.EX2 without its denormal path) and in the reference alike: codes and s, k, c stay identical. (A
+    flushed negative value decays to +0 and its code is 0x00; unflushed it would stay a negative denormal,
+    code 0x80: a kernel and a reference that flush differently disagree there.)"""
     codec, grad_buf, g = _setup(("fp8", "fp8", True, True), torch.float32, sizes=[1000, 77, 300])
     codec.variant = variant
     n = codec.master.numel()
     m = MomentState("fp8", n, "cuda", True, True)
     v = MomentState("fp8", n, "cuda", True, True)
-    codes = torch.randint(0, 0x7E, (n,), generator=g, device="cuda", dtype=torch.int64).to(torch.uint8)
+    codes = torch.randint(1, 0x7E, (n,), generator=g, device="cuda", dtype=torch.int64).to(torch.uint8)
     signs = (torch.rand(n, generator=g, device="cuda") < 0.5).to(torch.uint8) * 0x80
     groups = n // GROUP
-    s = 2.0 ** torch.linspace(-140, -110, groups, device="cuda")  # from all-denormal groups to all-normal ones
+    s = 2.0 ** (-31.3 + torch.linspace(-1.0, 1.0, groups, device="cuda"))  # 448 s ~ 2^-22.5: max (448 s)^4 ~ 2^-90
     for st, data in ((codec.m, codes | signs), (m, codes | signs), (codec.v, codes), (v, codes)):
         st.data.copy_(data)
         st.s.copy_(s)
-        st.k.fill_(1.0)
+        st.k.fill_(0.25)
         st.c.fill_(1.0)
+    from megacoat.optim.fp8_adam import dequantize_groups
+    start = dequantize_groups(m.data.view(-1, GROUP), m.s, m.k, m.c, expand=True, fast=False).abs()
+    assert ((start > 0) & (start < 2.0 ** -126)).any() and (start > 1e-28).any(), "the groups must straddle 2^-126"
     master = codec.master.clone()
     step = torch.zeros((), device="cuda")
     grad_buf.zero_()
@@ -160,7 +166,8 @@ def test_moments_decaying_into_the_denormals_match_the_reference(variant):
         step += 1
         for a, b in zip(codec.m.tensors() + codec.v.tensors(), m.tensors() + v.tensors()):
             assert torch.equal(a, b), t
-    assert (codec.m.data != 0).any()
+    magnitudes = codec.m.data & 0x7F
+    assert (magnitudes != 0).float().mean() > 0.05, "the groups' larger values (far above 1e-30) keep nonzero codes"
 
 
 def test_skip_flag_and_step_count_on_device():

@@ -207,3 +207,14 @@ def test_cross_entropy_loss_fusion_flag():
     assert parse_args([]).precision.cross_entropy_loss_fusion is None
     assert parse_args(["--cross-entropy-loss-fusion"]).precision.cross_entropy_loss_fusion is True
     assert parse_args(["--no-cross-entropy-loss-fusion"]).precision.cross_entropy_loss_fusion is False
+
+
+def test_cross_entropy_loss_fusion_flag_reaches_the_model():
+    from megacoat.training.trainer import Trainer
+    for extra, want in (([], True), (["--no-cross-entropy-loss-fusion"], False), (["--cross-entropy-loss-fusion"], True)):
+        tr = Trainer(parse_args(BASE + ["--global-batch-size", "2", "--train-iters", "1"] + extra),
+                     log_stream=open(os.devnull, "w"))
+        try:
+            assert tr.model.lc.cross_entropy_fusion is want, extra
+        finally:
+            tr.close()

@@ -17,28 +17,29 @@ from .mappings import group_rank, group_size
 
 def row_stats_reference(x: torch.Tensor, target: torch.Tensor, valid: int):
     """-> (m, s, t), fp32 [rows]: max of the first `valid` logits of each row (-inf if none), sum of
-    exp(x - m) over them, and x[row, target] where 0 <= target < valid (else 0)."""
+    exp(x - m) over them, and x[row, target] where 0 <= target < valid (else 0).
+    One fp32 copy of the logits, worked on in place (the eager path's cost: also --no-cross-entropy-loss-fusion)."""
     rows = x.shape[0]
     if valid == 0:
         return (torch.full((rows,), float("-inf"), device=x.device), torch.zeros(rows, device=x.device),
                 torch.zeros(rows, device=x.device))
-    xf = x[:, :valid].float()
+    xf = x[:, :valid].to(torch.float32, copy=True)
     m = xf.max(dim=-1).values
-    s = torch.exp(xf - m.unsqueeze(-1)).sum(dim=-1)
     inside = (target >= 0) & (target < valid)
-    t = xf.gather(-1, target.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    t = xf.gather(-1, target.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+    s = xf.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
     return m, s, t
 
 
 def softmax_grad_reference(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: int,
                            grad_loss: torch.Tensor) -> torch.Tensor:
-    """(softmax - onehot(target)) * grad_loss over the first `valid` columns, 0 past them; x's dtype."""
-    p = torch.exp(x.float() - lse.unsqueeze(-1))
+    """(softmax - onehot(target)) * grad_loss over the first `valid` columns, 0 past them; x's dtype.
+    One fp32 copy worked on in place, the one-hot subtracted by a scatter (no host synchronization)."""
+    p = x.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()
     p[:, valid:] = 0.0
-    inside = (target >= 0) & (target < valid)
-    rows = torch.nonzero(inside).squeeze(-1)
-    p[rows, target[rows]] -= 1.0
-    return (p * grad_loss.unsqueeze(-1)).to(x.dtype)
+    inside = ((target >= 0) & (target < valid)).to(p.dtype)
+    p.scatter_add_(-1, target.clamp(0, max(valid - 1, 0)).unsqueeze(-1), -inside.unsqueeze(-1))
+    return p.mul_(grad_loss.unsqueeze(-1)).to(x.dtype)
 
 
 def _use_kernels(x: torch.Tensor, fused: bool = True) -> bool:
