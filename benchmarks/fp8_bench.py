@@ -38,6 +38,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import source_commit  # noqa: E402
 
 from megacoat.kernels import fp8 as K  # noqa: E402
 from megacoat.kernels import fp8_act as KA  # noqa: E402
@@ -612,9 +613,7 @@ def main():
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none", parts={})
     try:
-        import subprocess
-        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        result["commit"] = source_commit()
         import triton
         result["triton"] = triton.__version__
     except Exception:  # noqa: BLE001

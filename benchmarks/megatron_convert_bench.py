@@ -23,6 +23,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import source_commit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -175,12 +176,7 @@ def main():
         setattr(a, k, v)
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "smoke": a.smoke}
-    try:
-        import subprocess
-        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    results["commit"] = source_commit()
     work = a.work or tempfile.mkdtemp(prefix="megatron_bench_")
     for name, fn in (("convert", part_convert), ("logits", part_logits)):
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import source_commit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -104,12 +105,7 @@ def main(argv=None) -> int:
     model = SMOKE if args.smoke else MODEL
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name() if
                device.type == "cuda" else "cpu", "torch": torch.__version__, "model": model, "runs": {}}
-    try:
-        import subprocess
-        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    results["commit"] = source_commit()
     for rname, rflags in RECIPES.items():
         for cname, cflags in RECOMPUTE.items():
             key = f"{rname}/{cname}"

@@ -32,17 +32,17 @@ Every part is independent: a failure is recorded in the JSON and the others stil
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import source_commit  # noqa: E402
 
 import torch  # noqa: E402
 
 from megacoat.config import OptimizerConfig  # noqa: E402
-from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, MomentState, PrecisionAwareAdamW,  # noqa: E402
+from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, PrecisionAwareAdamW,  # noqa: E402
                                      decay_table, dequantize_groups, fused_extension, group_stats, quantize_groups)
 
 from bench_timing import HBM_GBPS, timed  # noqa: E402
@@ -398,11 +398,7 @@ def main() -> None:
         return
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "elements": n, "hbm_GBps_assumed": HBM_GBPS, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    res["commit"] = source_commit()
     res["state_bytes_per_param"] = {f"{a}/{b}": state_bytes(a) + state_bytes(b)
                                     for a, b in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
     print("optimizer-state bytes per parameter:", res["state_bytes_per_param"], flush=True)

@@ -33,6 +33,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import source_commit  # noqa: E402
 
 from megacoat.comm import codecs as C  # noqa: E402
 from megacoat.config import round_to_fp32  # noqa: E402
@@ -351,12 +352,7 @@ def main():
     ap.add_argument("--elements", type=int, default=256 * 2 ** 20)
     args = ap.parse_args()
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}
-    try:
-        import subprocess
-        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        pass
+    results["commit"] = source_commit()
     if torch.cuda.is_available():
         results["device"] = torch.cuda.get_device_name()
         try:
