@@ -8,7 +8,7 @@ import torch
 
 from megacoat.config import ConfigError, parse_args
 from megacoat.training.planner import (_grad_bytes, _master_bytes, _state_bytes, _weight_bytes,
-                                       activation_bytes_per_token_layer, plan_run)
+                                       activation_bytes_per_token_layer, format_plan, plan_run)
 from dist_utils import run_distributed
 from test_cli import TINY, run_cli
 
@@ -140,3 +140,20 @@ def test_dry_run_under_a_launcher_prints_one_plan():
     r = run_cli(BASE + ["--dry-run", "--world-size", "4", "--use-distributed-optimizer"], nproc=2, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("dry run: world 4 = TP 1 x PP 1 x DP 4") == 1
+
+
+def test_dry_run_counts_the_loss_on_the_last_stage():
+    """The logits saved for the loss's backward and their gradient (and, unfused, the fp32 working copy),
+    on the last pipeline stage only; 301 tokens padded to 304 by --make-vocab-size-divisible-by 8."""
+    tokens = 2 * 32
+    (cpu,) = plan_run(parse_args(BASE), 1, 301, torch.device("cpu"))
+    assert cpu.loss == tokens * 304 * (2 * 4 + 4)      # fp32 logits, references: + the fp32 copy
+    gpu_flags = TINY + ["--num-workers", "0", "--train-iters", "2", "--global-batch-size", "8"]
+    (gpu,) = plan_run(parse_args(gpu_flags), 1, 301, torch.device("cuda"))
+    assert gpu.loss == tokens * 304 * (2 * 2)          # bf16 logits and gradient, fused kernels
+    (eager,) = plan_run(parse_args(gpu_flags + ["--no-cross-entropy-loss-fusion"]), 1, 301, torch.device("cuda"))
+    assert eager.loss == tokens * 304 * (2 * 2 + 4)
+    stages = plan_run(parse_args(BASE + ["--pipeline-model-parallel-size", "2"]), 2, 301, torch.device("cpu"))
+    assert sorted((p.pp_rank, p.loss > 0) for p in stages) == [(0, False), (1, True)]
+    text = format_plan(parse_args(BASE), 1, [cpu])
+    assert "loss (logits and their gradient)" in text

@@ -58,6 +58,7 @@ class RankPlan:
     comm: Dict[str, Dict[str, int]]       # option -> kind -> bytes sent per step
     buckets: List[int] = field(default_factory=list)  # bucket sizes (elements)
     fp8_weight_copies: int = 0            # bytes of kept FP8 weight copies (W and W^T, --fp8-weight-cache)
+    loss: int = 0                         # last stage: the loss's peak bytes per micro-batch (loss_bytes_per_token)
 
 
 def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, recipe: str, tp: int,
@@ -83,6 +84,13 @@ def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, reci
     split = (2 * (hidden + 2 * kv_hidden) + gemm_in * hidden            # q, k, v; attention output
              + mlp_pointwise * (mlp - ffn) + gemm_in * ffn)             # gate/up (pre-act) ; down input
     return replicated / (tp if sequence_parallel else 1) + split / tp
+
+
+def loss_bytes_per_token(vocab_local: int, itemsize: int, fused: bool) -> int:
+    """The loss's peak bytes per token (last PP stage), at the start of its backward: the logits saved for
+    backward and their gradient (parallel/cross_entropy.py), plus the fp32 working copy of the logits where
+    the fused kernels do not run (CPU, --no-cross-entropy-loss-fusion)."""
+    return vocab_local * (2 * itemsize + (0 if fused else 4))
 
 
 def activation_bytes_with_recompute(cfg: MegacoatConfig, chunks, per_layer: float, tp: int) -> float:
@@ -212,6 +220,11 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                                                           p.sequence_parallel, m.activation), ctx0.tp_size))
             for r in ("bf16", "tensorwise", "coat")}
         in_flight = min(ctx0.pp_size - ctx0.pp_rank, num_microbatches(cfg, ctx0.dp_size)) * len(chunks)
+        # The logits exist on the last stage only, one micro-batch at a time (its backward follows its forward).
+        fused_loss = target.type == "cuda" and cfg.precision.cross_entropy_loss_fusion is not False
+        itemsize = torch.tensor([], dtype=recipe.params_dtype).element_size()
+        loss = (tokens * loss_bytes_per_token(padded // ctx0.tp_size, itemsize, fused_loss)
+                if ctx0.pp_rank == ctx0.pp_size - 1 else 0)
         plans = []
         for d, global_rank in enumerate(ctx0.dp_ranks):
             ctx = dataclasses.replace(ctx0, dp_rank=d, rank=global_rank)
@@ -233,7 +246,7 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                                   params=sum(q.numel() for q in params), layers=layers, weights=weights, grads=grads,
                                   master=masters, states=states, activations=acts, in_flight=in_flight,
                                   comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket), buckets=buckets,
-                                  fp8_weight_copies=fp8_copies))
+                                  fp8_weight_copies=fp8_copies, loss=loss))
         return plans
     finally:
         dist.destroy_process_group()
@@ -295,10 +308,12 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
         lines.append(f"  weights {_gib(pl.weights)}{copies} | gradients {_gib(pl.grads)} | optimizer states (moments + "
                      f"fp32 master weights): " + ", ".join(f"{k}{'*' if k == fmt_now else ''} {_gib(v)} + "
                                                            f"{_gib(pl.master[k])}" for k, v in pl.states.items()))
+        loss = f" | loss (logits and their gradient) {_gib(pl.loss)}" if pl.loss else ""
         lines.append(f"  activations per micro-batch (estimate): " +
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
-                     + f" | up to {pl.in_flight} micro-batch(es) in flight")
-        total = pl.weights + pl.fp8_weight_copies + pl.grads + pl.master[fmt_now] + pl.states[fmt_now] + pl.activations[recipe_now] * pl.in_flight
+                     + f" | up to {pl.in_flight} micro-batch(es) in flight{loss}")
+        total = (pl.weights + pl.fp8_weight_copies + pl.grads + pl.master[fmt_now] + pl.states[fmt_now]
+                 + pl.activations[recipe_now] * pl.in_flight + pl.loss)
         lines.append(f"  total with this configuration (estimate): {_gib(total)}")
         lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
             f"{k}{'*' if k == current else ''}: " + ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in d.items())
