@@ -130,7 +130,7 @@ def bench_variants(n: int, iters: int, out: dict) -> None:
     if fused_extension() is None:
         raise RuntimeError("the fused AdamW extension did not build")
     out["names"] = {str(v): VARIANT_NAMES.get(v, "") for v in range(KERNEL_VARIANTS)}
-    out["same_state_as_variant0"] = variants_bit_identical()
+    out["same_state_as_variant0"] = variants_same_state()
     norm = torch.tensor(0.5, device="cuda")
     variants = list(range(KERNEL_VARIANTS))
     timing = out["timing"] = {}
@@ -161,7 +161,7 @@ def bench_variants(n: int, iters: int, out: dict) -> None:
         print(f"{name:28s}{cells}  {row['fastest']} ({row['fastest_exact']})", flush=True)
 
 
-def variants_bit_identical(steps: int = 4) -> dict:
+def variants_same_state(steps: int = 4) -> dict:
     """Per format and gradient dtype: each variant's state after `steps` steps equal to variant
     0's, from the same start and gradients (several chunks, none a multiple of 128, gradients at
     an odd offset: the scalar paths and chunk ends; clipping and exact zeros on some steps)."""

@@ -32,6 +32,14 @@ def _timed_steps(tr, it, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _take_flag(argv, name: str) -> bool:
+    """Whether `name` (one of this script's own flags) is in argv; removed from it (the rest are pretrain_gpt.py's)."""
+    if name in argv:
+        argv.remove(name)
+        return True
+    return False
+
+
 def print_phase_times(tr, it, steps: int) -> None:
     """Host and GPU time of each phase of a step (forward, backward, optimizer and the rest), without the
     profiler: CUDA events and the host clock at the same points, each step started on an idle GPU. At each
@@ -221,21 +229,11 @@ def main():
         i = argv.index("--profile-steps")
         steps = int(argv[i + 1])
         del argv[i:i + 2]
-    host_profile = "--host-profile" in argv
-    if host_profile:
-        argv.remove("--host-profile")
-    phase_times = "--phase-times" in argv
-    if phase_times:
-        argv.remove("--phase-times")
-    guard_ab = "--guard-ab" in argv
-    if guard_ab:
-        argv.remove("--guard-ab")
-    by_shape = "--by-shape" in argv  # also the ops grouped by input shapes (which copy, which sum is which)
-    if by_shape:
-        argv.remove("--by-shape")
-    use_profiler = "--no-profiler" not in argv  # --no-profiler: only the timings above
-    if not use_profiler:
-        argv.remove("--no-profiler")
+    host_profile = _take_flag(argv, "--host-profile")
+    phase_times = _take_flag(argv, "--phase-times")
+    guard_ab = _take_flag(argv, "--guard-ab")
+    by_shape = _take_flag(argv, "--by-shape")  # also the ops grouped by input shapes (which copy, which sum is which)
+    use_profiler = not _take_flag(argv, "--no-profiler")  # --no-profiler: only the timings, no torch.profiler
     cfg = parse_args(argv)
     needed = 5 + steps * (1 + use_profiler + phase_times + host_profile + 3 * guard_ab)  # warm-up, plain, profiled, probes
     if cfg.train.train_iters is not None and cfg.train.train_iters < needed:
@@ -253,14 +251,14 @@ def main():
         print(f"guard A/B/A over {steps} steps each: {a * 1e3:.1f} / {b * 1e3:.1f} (skip_guard_eval_unsafe) / "
               f"{c * 1e3:.1f} ms per step")
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
-    if not use_profiler:
-        print(f"per step without the profiler: {plain * 1e3:.1f} ms")
-        tr.close()
-        return
     if phase_times and tr.device.type == "cuda":
         print_phase_times(tr, it, steps)
     if host_profile:
         print_host_profile(tr, it, steps)
+    if not use_profiler:
+        print(f"per step without the profiler: {plain * 1e3:.1f} ms")
+        tr.close()
+        return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
     if tr.device.type == "cuda":
         torch.cuda.synchronize()

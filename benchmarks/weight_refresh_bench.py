@@ -14,6 +14,7 @@ import time
 import torch
 
 from megacoat.precision import fp8
+from provenance import source_commit
 
 
 def _time(fn, reps: int):
@@ -70,7 +71,7 @@ def main():
     all_at_once()
     same = all(torch.equal(q.view(torch.uint8), r[0].view(torch.uint8)) and torch.equal(qt.view(torch.uint8), r[1].view(
         torch.uint8)) and torch.equal(s, r[2]) for q, qt, s, r in zip(qs, qts, scales, ref))
-    res = {"weights": len(ws), "elements": n, "bytes": bytes_moved, "identical_codes_and_scales": same,
+    res = {"commit": source_commit(), "weights": len(ws), "elements": n, "bytes": bytes_moved, "identical_codes_and_scales": same,
            "aligned_variant": bool(plan[0] is not None and plan[0].aligned)}
     for name, fn in (("one_at_a_time", one_at_a_time), ("all_at_once", all_at_once), ("copy_same_bytes", copy)):
         gpu, host = _time(fn, a.reps)

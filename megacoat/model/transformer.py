@@ -37,7 +37,8 @@ class LayerContext:
     seed: int
     # Weight-gradient GEMMs accumulate straight into the optimizer's main_grad (--no-gradient-accumulation-fusion).
     gradient_accumulation_fusion: bool = True
-    # The loss through the fused cross-entropy kernels where they run (--no-cross-entropy-loss-fusion: eager torch).
+    # The loss through the fused cross-entropy kernels where they run (--no-cross-entropy-loss-fusion: the torch
+    # references of parallel/cross_entropy.py).
     cross_entropy_fusion: bool = True
     # FP8 recipe (--fp8-format/--fp8-recipe), None for bf16/fp32: the transformer linears run their GEMMs
     # in FP8 and, under coat, norms/activations save FP8 copies (the output layer and attention stay bf16).

@@ -64,6 +64,7 @@ def softmax_grad_kernel(x_ptr, g_ptr, lse_ptr, tgt_ptr, gl_ptr, V, valid, stride
     c = (pid % nb) * BLOCK + tl.arange(0, BLOCK)
     x = _masked_logits(x_ptr + row * stride_x, c, V, valid)
     p = tl.exp(x - tl.load(lse_ptr + row))
-    p = tl.where((c == tl.load(tgt_ptr + row)) & (c < valid), p - 1.0, p)  # a target in the padding: no -1
-    p = tl.where(c < valid, p, 0.0)  # padding: 0 even where lse is -inf or NaN (exp(-inf - lse) would be NaN)
+    p = tl.where(c == tl.load(tgt_ptr + row), p - 1.0, p)
+    # Padding (a target there included): 0 even where lse is -inf or NaN (exp(-inf - lse) would be NaN).
+    p = tl.where(c < valid, p, 0.0)
     tl.store(g_ptr + row * stride_g + c, (p * tl.load(gl_ptr + row)).to(g_ptr.dtype.element_ty), mask=c < V)
