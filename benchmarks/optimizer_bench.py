@@ -11,11 +11,11 @@
              of the same bytes (what the memory system delivers); the issue's target for FP8 with
              expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
              faster than torch.optim.AdamW(fused=True) with fp32 states).
-  variants   every kernel case above under every variant of the kernel (csrc/fused_adamw.cu Variant0-5:
-             0-3 work distributions with the same operations, 4-5 with the update's sqrt and division
+  variants   every kernel case above under every variant of the kernel (csrc/fused_adamw.cu Variant0-7:
+             0-3 work distributions with the same operations, 4-7 with the update's sqrt and division
              approximate; `kernels` times the codec's choice, FASTEST_VARIANT of optim/fp8_adam.py):
              ms and % of HBM per case x variant, and for each variant its state after a few steps
-             equal to variant 0's (0-3: masters, weights, codes, s/k/c bit for bit; 4-5: all but the
+             equal to variant 0's (0-3: masters, weights, codes, s/k/c bit for bit; 4-7: all but the
              master and weights bit for bit, the master within 1e-6 relative), per format and
              gradient dtype, on chunks not multiples of 128 with misaligned gradients.
   agreement  on the GPU, fast vs exact form after 20 steps of the kernel from the same start:
@@ -190,7 +190,7 @@ def variants_same_state(steps: int = 4) -> dict:
                             for v in range(1, KERNEL_VARIANTS)}
             except Exception as e:  # noqa: BLE001
                 res[key] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"same state as variant 0 ({key}; 0-3 bit for bit, 4-5 moments bit for bit and master within 1e-6): "
+            print(f"same state as variant 0 ({key}; 0-3 bit for bit, 4-7 moments bit for bit and master within 1e-6): "
                   f"{res[key]}", flush=True)
             torch.cuda.empty_cache()
     res["all"] = all(ok is True for r in res.values() for ok in r.values())

@@ -7,9 +7,9 @@ everything is expected bit-identical; the test reports any difference). Also: ev
 (FP8 expansion in the fast exp2/log2 form and in COAT's powf form), fp32 and bf16 gradients, the
 bf16 weights written in the same pass, clip factor and skip flag on the device, agreement with
 COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-reference fallback.
-The 100-step test runs under every variant of the kernel (`variant`, csrc/fused_adamw.cu Variant0-5):
+The 100-step test runs under every variant of the kernel (`variant`, csrc/fused_adamw.cu Variant0-7):
 0-3 are work distributions with the same operations, so each must equal the reference bit for bit;
-4-5 approximate the update's square root and division, so their masters need only be within 1e-6
+4-7 approximate the update's square root and division, so their masters need only be within 1e-6
 relative (DESIGN 5.4's tolerance), while the moments' codes and s, k, c, which do not depend on the
 master, must still be bit for bit.
 """

@@ -330,8 +330,8 @@ def round_up_group(n: int) -> int:
 
 # ------------------------------------------------------------------------------ the kernel
 FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}  # fp8 with expansion: 3 (exact powf form), 4 (exp2/log2 form)
-KERNEL_VARIANTS = 6  # variants of the kernel (csrc/fused_adamw.cu Variant0-5); which one runs: FASTEST_VARIANT
-# Variants 0-3 (work distributions) equal the reference bit for bit; 4-5 approximate the update's square root
+KERNEL_VARIANTS = 8  # variants of the kernel (csrc/fused_adamw.cu Variant0-7); which one runs: FASTEST_VARIANT
+# Variants 0-3 (work distributions) equal the reference bit for bit; 4-7 approximate the update's square root
 # and division (the master within 1e-6 relative, the moments' codes and s, k, c still bit for bit).
 EXACT_VARIANTS = 4
 
@@ -342,12 +342,14 @@ def _format_code(ms: MomentState) -> int:
     return FORMAT_CODE[ms.fmt]
 
 
-# Per format code (_format_code): the kernel variant measured fastest on the H200 for 256M elements with
-# bf16 gradients (benchmarks/optimizer_bench.py --parts variants, 2026-12-01 session 3 call 1;
-# benchmarks/results/raw/2026-12-01_h200_s3call1_optbench.json): fp32 states 2.062 ms (variant 2) vs
-# 2.089 (0); bf16 1.529 (0); FP8 absmax 1.751 (3) vs 1.996; FP8 expansion, COAT's powf form 5.444 (2)
-# vs 6.895; FP8 expansion, exp2 form (the default) 2.493 (1) vs 2.595.
-FASTEST_VARIANT = {0: 2, 1: 0, 2: 3, 3: 2, 4: 1}
+# Per format code (_format_code): the kernel variant measured fastest on the H200 for 256M elements
+# (benchmarks/optimizer_bench.py --parts variants). fp32, bf16 states and COAT's exact powf expansion keep
+# a variant that equals the reference bit for bit (session 3: fp32 2.062 ms (2) vs 2.089 (0); bf16 1.529
+# (0); powf form 5.444 (2) vs 6.895). The two FP8 formats whose kernels were measured with the
+# approximate update (2026-12-01 session 10 call 1, benchmarks/results/raw/2026-12-01_h200_s10call1_optbench.json,
+# bf16 gradients): absmax 1.510 ms (4) vs 1.633 (2, the fastest exact); exp2 expansion (the default;
+# its exp2 is already the hardware's approximation) 1.875 ms (4) vs 2.057 (0) and 2.214 (1, chosen before).
+FASTEST_VARIANT = {0: 2, 1: 0, 2: 4, 3: 2, 4: 4}
 
 
 def fused_extension():
@@ -410,8 +412,9 @@ class PrecisionAwareAdamW:
         self.ext = None
         if dev.type == "cuda" and use_kernel is not False and kernel_supports(self.m, self.v, self.chunks):
             self.ext = fused_extension()
-        # The kernel's work distribution (csrc/fused_adamw.cu, Variant0-3; same results bit for bit): the
-        # fastest measured for this format unless MEGACOAT_ADAMW_VARIANT says otherwise (for benchmarking).
+        # The kernel's variant (csrc/fused_adamw.cu, Variant0-7; 0-3 equal the reference bit for bit, 4-7
+        # within 1e-6 in the master): the fastest measured for this format unless MEGACOAT_ADAMW_VARIANT
+        # says otherwise (for benchmarking).
         env = os.environ.get("MEGACOAT_ADAMW_VARIANT")
         self.variant = int(env) if env else FASTEST_VARIANT[_format_code(self.m)]
         self._compiled = None
