@@ -180,10 +180,12 @@ if has coat1; then
   c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
   c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise${C1_TAG:-} --compile --float8 tensorwise --iters 10 --warmup 8
 fi
-if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, fp8states, torchao), then larger
+if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, castperuse, fp8states, torchao), then larger
   # micro-batches (C7_BF16_MBS / C7_COAT_MBS, default C7_MBS=4) to find the largest each fits
   c7() { [[ " ${C7_RUNS:-base fp8states torchao} " == *" $1 "* ]]; }
   if c7 base; then mc c7_bf16 10 $M7; mc c7_coat 10 $M7 --fp8-format hybrid --fp8-recipe coat; fi
+  # FP8 weights cast at each use instead of kept for the step (at 7B the kept copies are 1.92 bytes/param)
+  if c7 castperuse; then mc c7_coat_castperuse 10 $M7 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none; fi
   if c7 fp8states; then
     mc c7_coat_fp8states 10 $M7 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
   fi
