@@ -33,6 +33,7 @@ from ..precision.linear import (Fp8WeightRefresher, allocate_fp8_weight_copies, 
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
+from .memory_advice import out_of_memory_message
 from .lr_schedule import build_lr_scheduler, step_lr
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
@@ -313,7 +314,11 @@ class Trainer:
         self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))
         interrupted = False
         while self.state.iteration < cfg.train.train_iters:
-            rec = self.train_step(self._next_micro_batches(iters.train, self.step_micro_batches()))
+            try:
+                rec = self.train_step(self._next_micro_batches(iters.train, self.step_micro_batches()))
+            except torch.OutOfMemoryError as e:  # the same error, with what to change in this run
+                raise torch.OutOfMemoryError(f"{e}\n\n" + out_of_memory_message(
+                    cfg, memory, self.ctx.dp_size, self.state.iteration)) from e
             self.logger.maybe_log(self.state, self.flops_per_iter)
             self._check_skips(rec)
             if self.schedule.timing and (self.state.iteration % cfg.logging.log_interval == 0
