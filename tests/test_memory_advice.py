@@ -26,6 +26,8 @@ def test_every_applicable_flag_with_its_saving():
     assert "--use-distributed-optimizer: -18.0 GiB" in text  # (4 + 8) x 3 Gi x (1 - 1/2)
     assert "--recompute-granularity full" in text and "--micro-batch-size 2 " in text
     assert "--fp8-format" not in text  # FP8 already on
+    odd = "\n".join(memory_saving_flags(parse_args(["--micro-batch-size", "9"]), memory, dp_size=1))
+    assert "--micro-batch-size 3 (same --global-batch-size, 3x the micro-batches): about 3/9" in odd
 
 
 def test_only_what_is_not_already_on():

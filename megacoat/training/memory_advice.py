@@ -44,9 +44,11 @@ def memory_saving_flags(cfg: MegacoatConfig, memory: Dict[str, float], dp_size: 
     if t.recompute_granularity != "full":
         out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1: keeps only "
                    "each layer's input for backward (activations; ~30% more compute)")
-    if t.micro_batch_size > 1:
-        out.append(f"--micro-batch-size {t.micro_batch_size // 2} (same --global-batch-size, twice the "
-                   "micro-batches): about half the activations")
+    if t.micro_batch_size > 1:  # the largest smaller size that still divides the global batch
+        mbs = t.micro_batch_size
+        smaller = max(d for d in range(1, mbs) if mbs % d == 0)
+        out.append(f"--micro-batch-size {smaller} (same --global-batch-size, {mbs // smaller}x the micro-batches): "
+                   f"about {smaller}/{mbs} of the activations")
     if pr.fp8_format is None:
         out.append("--fp8-format hybrid --fp8-recipe coat: FP8 GEMMs and activations saved in FP8 (sm_89+ GPUs)")
     return out
