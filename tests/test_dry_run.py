@@ -1,5 +1,6 @@
 """--dry-run: its byte counts equal the counters of real CPU runs with the same flags, its
 model-state sizes equal what real ranks allocate, and configuration errors surface in it."""
+import dataclasses
 import json
 import os
 
@@ -8,7 +9,7 @@ import torch
 
 from megacoat.config import ConfigError, parse_args
 from megacoat.training.planner import (_grad_bytes, _master_bytes, _state_bytes, _weight_bytes,
-                                       activation_bytes_per_token_layer, format_plan, plan_run)
+                                       activation_bytes_per_token_layer, format_plan, peak_estimate, plan_run)
 from dist_utils import run_distributed
 from test_cli import TINY, run_cli
 
@@ -157,3 +158,26 @@ def test_dry_run_counts_the_loss_on_the_last_stage():
     assert sorted((p.pp_rank, p.loss > 0) for p in stages) == [(0, False), (1, True)]
     text = format_plan(parse_args(BASE), 1, [cpu])
     assert "loss (logits and their gradient)" in text
+
+
+def test_peak_estimate_takes_the_larger_phase_only_when_gradients_come_and_go():
+    """One micro-batch per step, non-sharded optimizer: gradient buckets are allocated while the backward frees
+    the activations, so the peak is the larger phase; with accumulation (buckets live from the first
+    micro-batch's backward through the next forwards) or ZeRO (buffers persist) it is the sum."""
+    one = BASE[:-1] + ["2"]  # --global-batch-size 2 = one micro-batch of 2
+    (pl,) = plan_run(parse_args(one), 1, 301, torch.device("cpu"))
+    assert pl.grads_released and pl.micro_batches == 1 and pl.in_flight == 1 and len(pl.buckets) == 1
+    base = pl.weights + pl.master["fp32"] + pl.states["fp32"]
+    acts = pl.activations["bf16"] + pl.loss
+    assert peak_estimate(pl, "fp32", "bf16") == base + max(acts + pl.grads, pl.grads)  # one bucket: all grads
+    several = dataclasses.replace(pl, buckets=[3, 1], grads=4000)
+    assert peak_estimate(several, "fp32", "bf16") == base + max(acts + 3000, 4000)
+    small_acts = dataclasses.replace(several, activations={"bf16": 10}, loss=0)
+    assert peak_estimate(small_acts, "fp32", "bf16") == base + 4000  # the optimizer step's phase is larger
+    (accum,) = plan_run(parse_args(BASE), 1, 301, torch.device("cpu"))
+    assert accum.micro_batches == 4
+    assert peak_estimate(accum, "fp32", "bf16") == base + accum.grads + accum.activations["bf16"] + accum.loss
+    zero = plan_run(parse_args(one[:-1] + ["4", "--use-distributed-optimizer"]), 2, 301, torch.device("cpu"))
+    assert not any(z.grads_released for z in zero)
+    assert "one micro-batch: the larger of the forward's end and the optimizer step" in format_plan(
+        parse_args(one), 1, [pl])
