@@ -170,14 +170,15 @@ def test_peak_estimate_takes_the_larger_phase_only_when_gradients_come_and_go():
     base = pl.weights + pl.master["fp32"] + pl.states["fp32"]
     acts = pl.activations["bf16"] + pl.loss
     assert peak_estimate(pl, "fp32", "bf16") == base + max(acts + pl.grads, pl.grads)  # one bucket: all grads
-    several = dataclasses.replace(pl, buckets=[3, 1], grads=4000)
-    assert peak_estimate(several, "fp32", "bf16") == base + max(acts + 3000, 4000)
+    assert 0 < pl.backward_activations["bf16"] < pl.activations["bf16"]  # one layer's of two
+    several = dataclasses.replace(pl, buckets=[3, 1], grads=4000, backward_activations={"bf16": 7})
+    assert peak_estimate(several, "fp32", "bf16") == base + max(acts + 3000, 4000 + 7)
     small_acts = dataclasses.replace(several, activations={"bf16": 10}, loss=0)
-    assert peak_estimate(small_acts, "fp32", "bf16") == base + 4000  # the optimizer step's phase is larger
+    assert peak_estimate(small_acts, "fp32", "bf16") == base + 4000 + 7  # the backward's phase is larger
     (accum,) = plan_run(parse_args(BASE), 1, 301, torch.device("cpu"))
     assert accum.micro_batches == 4
     assert peak_estimate(accum, "fp32", "bf16") == base + accum.grads + accum.activations["bf16"] + accum.loss
     zero = plan_run(parse_args(one[:-1] + ["4", "--use-distributed-optimizer"]), 2, 301, torch.device("cpu"))
     assert not any(z.grads_released for z in zero)
-    assert "one micro-batch: the larger of the forward's end and the optimizer step" in format_plan(
+    assert "one micro-batch: the larger of the forward's end and the backward's" in format_plan(
         parse_args(one), 1, [pl])

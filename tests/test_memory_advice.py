@@ -23,11 +23,22 @@ def test_every_applicable_flag_with_its_saving():
     assert "--fp8-weight-cache none: -4.5 GiB" in text  # 1.5 bytes x 3 Gi
     assert f"--exp-avg-sq-dtype fp8: -{(8 - FP8_STATE_BYTES) * 3:.1f} GiB" in text  # 8 -> 2.1875 bytes/param
     assert "--grad-reduce-in-bf16: -6.0 GiB" in text
-    assert "--use-distributed-optimizer: -18.0 GiB" in text  # (4 + 8) x 3 Gi x (1 - 1/2)
-    assert "--recompute-granularity full" in text and "--micro-batch-size 2 " in text
-    assert "--fp8-format" not in text  # FP8 already on
+    assert "--use-distributed-optimizer: -18.0 GiB" in text  # (8 x (1 - 1/2) + 4 - 4/2) x 3 Gi
+    assert "--recompute-granularity full" in text and "--micro-batch-size 2 --global-batch-size 8 " in text  # its default: 4 x DP 2
+    assert "--fp8-format" not in text and "--fp8-recipe coat:" not in text  # FP8 with coat already on
     odd = "\n".join(memory_saving_flags(parse_args(["--micro-batch-size", "9"]), memory, dp_size=1))
-    assert "--micro-batch-size 3 (same --global-batch-size, 3x the micro-batches): about 3/9" in odd
+    assert "--micro-batch-size 3 --global-batch-size 9 (3x the micro-batches per step): about 3/9" in odd
+    tensorwise = memory_saving_flags(parse_args(["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]), memory, 1)
+    assert "--fp8-recipe coat: activations saved in FP8 (tensorwise saves them in bf16)" in tensorwise
+
+
+def test_zero_saving_counts_the_master_shard_it_adds():
+    """fp32 parameters need no master without ZeRO; under it every rank holds a 4/DP-byte master shard."""
+    cfg = parse_args(["--fp32"])
+    memory = {"params": GIB, "weights": 4.0, "grads": 4.0, "master": 0.0, "optimizer_states": 8.0}
+    text = "\n".join(memory_saving_flags(cfg, memory, dp_size=2))
+    assert "--use-distributed-optimizer: -2.0 GiB" in text  # 8 x 1/2 - 4/2
+    assert "--fp8-format" not in text  # FP8 needs bf16 parameters
 
 
 def test_only_what_is_not_already_on():
@@ -50,24 +61,26 @@ def test_bf16_moments_save_less_than_fp32_ones_and_zero_shards_count():
 
 
 def test_a_step_out_of_memory_raises_the_same_error_with_the_advice(monkeypatch):
+    """The error object torch raised (its traceback too), its text followed by the advice."""
     cfg = parse_args(TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0", "--train-iters", "5"])
     trainer = Trainer(cfg, log_stream=open(os.devnull, "w"))
     real_step, calls = trainer.train_step, []
+    raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def step(micro_batches):
         calls.append(1)
         if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise raised
         return real_step(micro_batches)
 
     monkeypatch.setattr(trainer, "train_step", step)
     with pytest.raises(torch.OutOfMemoryError) as info:
         trainer.train()
+    assert info.value is raised
     text = str(info.value)
     assert text.startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "megacoat: out of GPU memory in training step 3. Model state on this rank: weights" in text
-    assert "--recompute-granularity full" in text and "--fp8-format hybrid --fp8-recipe coat" in text
-    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert "--recompute-granularity full" in text and "--fp8-format" not in text  # --fp32 run: no FP8 offered
     assert trainer.state.iteration == 2
 
 

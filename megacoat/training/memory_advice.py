@@ -1,7 +1,8 @@
 """What to change when a step runs out of GPU memory: the flags that shrink this run, each with what it saves.
 
-The model-state savings are exact (from the optimizer's own byte counts per parameter); the activation
-flags say what they act on, since activation memory is only estimated (`--dry-run`).
+The model-state savings come from the optimizer's own byte counts per parameter (what each flag changes
+in the model state; a flag may also move when memory peaks, as said where it does); the activation flags
+say what they act on, since activation memory is only estimated (`--dry-run`).
 """
 from __future__ import annotations
 
@@ -38,19 +39,25 @@ def memory_saving_flags(cfg: MegacoatConfig, memory: Dict[str, float], dp_size: 
     if memory["grads"] >= 4 and not p.accumulate_allreduce_grads_in_fp32:
         out.append(f"--grad-reduce-in-bf16: -{_gib(memory['grads'] / 2 * n)} (bf16 gradient buffers)")
     if dp_size > 1 and not p.use_distributed_optimizer:
-        saved = (memory["master"] + states) * n * (1 - 1 / dp_size)
-        out.append(f"--use-distributed-optimizer: -{_gib(saved)} (fp32 masters and Adam moments sharded over "
-                   f"the {dp_size} data-parallel ranks)")
+        # Each rank keeps 1/DP of the moments and an fp32 master shard (4/DP bytes per parameter, also where
+        # the parameters are fp32 and need no master today); the gradient buffers then stay allocated.
+        saved = (states * (1 - 1 / dp_size) + memory["master"] - 4 / dp_size) * n
+        if saved > 0:
+            out.append(f"--use-distributed-optimizer: -{_gib(saved)} (fp32 masters and Adam moments sharded over "
+                       f"the {dp_size} data-parallel ranks; gradient buffers then stay allocated between steps)")
     if t.recompute_granularity != "full":
         out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1: keeps only "
                    "each layer's input for backward (activations; ~30% more compute)")
     if t.micro_batch_size > 1:  # the largest smaller size that still divides the global batch
         mbs = t.micro_batch_size
         smaller = max(d for d in range(1, mbs) if mbs % d == 0)
-        out.append(f"--micro-batch-size {smaller} (same --global-batch-size, {mbs // smaller}x the micro-batches): "
-                   f"about {smaller}/{mbs} of the activations")
-    if pr.fp8_format is None:
+        gbs = t.global_batch_size or mbs * dp_size  # its default (micro-batch x DP) would shrink with the micro-batch
+        out.append(f"--micro-batch-size {smaller} --global-batch-size {gbs} ({mbs // smaller}x the "
+                   f"micro-batches per step): about {smaller}/{mbs} of the activations")
+    if pr.fp8_format is None and not t.fp32:  # FP8 needs bf16 parameters
         out.append("--fp8-format hybrid --fp8-recipe coat: FP8 GEMMs and activations saved in FP8 (sm_89+ GPUs)")
+    elif pr.fp8_format is not None and pr.fp8_recipe == "tensorwise":
+        out.append("--fp8-recipe coat: activations saved in FP8 (tensorwise saves them in bf16)")
     return out
 
 

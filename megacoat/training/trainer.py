@@ -316,9 +316,9 @@ class Trainer:
         while self.state.iteration < cfg.train.train_iters:
             try:
                 rec = self.train_step(self._next_micro_batches(iters.train, self.step_micro_batches()))
-            except torch.OutOfMemoryError as e:  # the same error, with what to change in this run
-                raise torch.OutOfMemoryError(f"{e}\n\n" + out_of_memory_message(
-                    cfg, memory, self.ctx.dp_size, self.state.iteration)) from e
+            except torch.OutOfMemoryError as e:  # the same error and traceback, with what to change in this run
+                e.args = (f"{e}\n\n" + out_of_memory_message(cfg, memory, self.ctx.dp_size, self.state.iteration),)
+                raise
             self.logger.maybe_log(self.state, self.flops_per_iter)
             self._check_skips(rec)
             if self.schedule.timing and (self.state.iteration % cfg.logging.log_interval == 0
