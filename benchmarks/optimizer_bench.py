@@ -43,19 +43,16 @@ import torch  # noqa: E402
 
 from megacoat.config import OptimizerConfig  # noqa: E402
 from megacoat.optim.fp8_adam import (EXACT_VARIANTS, GROUP, KERNEL_VARIANTS, Chunk, PrecisionAwareAdamW,  # noqa: E402
-                                     decay_table, dequantize_groups, fused_extension, group_stats, quantize_groups)
+                                     decay_table, dequantize_groups, fused_extension, group_stats,
+                                     moment_bytes_per_element, quantize_groups)
 
 from bench_timing import HBM_GBPS, timed  # noqa: E402
-
-
-def state_bytes(fmt: str) -> float:
-    return {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 12 / GROUP}[fmt]
 
 
 def step_bytes(fmt: str, grad_bytes: int, weight_bytes: int = 2) -> float:
     """Bytes per element one fused step reads + writes: master r/w, gradient, both moments r/w
     (FP8: codes plus s, k, c per group), the bf16 weight written."""
-    return 8 + grad_bytes + 2 * 2 * state_bytes(fmt) + weight_bytes
+    return 8 + grad_bytes + 2 * 2 * moment_bytes_per_element(fmt) + weight_bytes
 
 
 def codec_case(n: int, fmt: str, expand: bool, grad_dtype, use_kernel=True, fast=True):
@@ -399,7 +396,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "elements": n, "hbm_GBps_assumed": HBM_GBPS, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     res["commit"] = source_commit()
-    res["state_bytes_per_param"] = {f"{a}/{b}": state_bytes(a) + state_bytes(b)
+    res["state_bytes_per_param"] = {f"{a}/{b}": moment_bytes_per_element(a) + moment_bytes_per_element(b)
                                     for a, b in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
     print("optimizer-state bytes per parameter:", res["state_bytes_per_param"], flush=True)
     parts = [("kernels", lambda r: bench_kernels(n, args.iters, r)),

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..config import MegacoatConfig
+from ..optim.fp8_adam import moment_bytes_per_element
 
-STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1 + 3 * 4 / 128}  # one moment, per element (fp8: s, k, c per 128)
-FP8_STATE_BYTES = 2 * STATE_BYTES["fp8"]
+FP8_STATE_BYTES = 2 * moment_bytes_per_element("fp8")
 
 
 def _gib(bytes_: float) -> str:
@@ -31,7 +31,7 @@ def memory_saving_flags(cfg: MegacoatConfig, memory: Dict[str, float], dp_size: 
                    "kept for the step; measured 2% slower at 7B)")
     states = memory["optimizer_states"]
     dtypes = (o.exp_avg_dtype, o.exp_avg_sq_dtype) if o.use_precision_aware_optimizer else ("fp32", "fp32")
-    now = sum(STATE_BYTES[d] for d in dtypes)  # bytes per element of the moments as they are
+    now = sum(moment_bytes_per_element(d) for d in dtypes)  # bytes per element of the moments as they are
     if now > FP8_STATE_BYTES:
         saved = states * (1 - FP8_STATE_BYTES / now) * n  # `states` is per parameter of this rank (ZeRO: its share)
         out.append(f"--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8: -{_gib(saved)} "

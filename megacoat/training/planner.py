@@ -62,7 +62,7 @@ class RankPlan:
     # (optim.buffers.GradBuffer release_between_steps); ZeRO's stay.
     grads_released: bool = False
     micro_batches: int = 1                # per step
-    backward_activations: Dict[str, int] = field(default_factory=dict)  # recipe -> backward_working_set bytes
+    backward_activations: Dict[str, int] = field(default_factory=dict)  # recipe -> bytes alive in the first layers' backward
     loss: int = 0                         # last stage: the loss's peak bytes per micro-batch (loss_bytes_per_token)
 
 
@@ -104,12 +104,6 @@ def activation_bytes_with_recompute(cfg: MegacoatConfig, chunks, per_layer: floa
     activations; other layers keep everything (selective: the estimate does not change, the
     attention core saves no s x s matrix with SDPA / flash attention)."""
     return _recompute_totals(cfg, chunks, per_layer, tp)[0]
-
-
-def backward_working_set(cfg: MegacoatConfig, chunks, per_layer: float, tp: int) -> float:
-    """Per token: the activations alive while the backward reaches the first layers, when the gradient
-    buffers are (nearly) all allocated: one layer's, or one recomputed group's rebuilt in full."""
-    return per_layer * max(_recompute_totals(cfg, chunks, per_layer, tp)[1], 1)
 
 
 def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int):
@@ -234,10 +228,11 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
         per_layer = {r: activation_bytes_per_token_layer(m.hidden_size, m.ffn_hidden_size, kv, r, ctx0.tp_size,
                                                          p.sequence_parallel, m.activation)
                      for r in ("bf16", "tensorwise", "coat")}
-        acts = {r: int(tokens * activation_bytes_with_recompute(cfg, chunks, v, ctx0.tp_size))
-                for r, v in per_layer.items()}
-        backward_acts = {r: int(tokens * backward_working_set(cfg, chunks, v, ctx0.tp_size))
-                         for r, v in per_layer.items()}
+        totals = {r: _recompute_totals(cfg, chunks, v, ctx0.tp_size) for r, v in per_layer.items()}
+        acts = {r: int(tokens * total) for r, (total, _) in totals.items()}
+        # Alive while the backward reaches the first layers, with the gradient buffers (nearly) all
+        # allocated: one layer's activations, or one recomputed group's rebuilt in full.
+        backward_acts = {r: int(tokens * per_layer[r] * max(largest, 1)) for r, (_, largest) in totals.items()}
         in_flight = min(ctx0.pp_size - ctx0.pp_rank, num_microbatches(cfg, ctx0.dp_size)) * len(chunks)
         # The logits exist on the last stage only, one micro-batch at a time (its backward follows its forward).
         fused_loss = target.type == "cuda" and cfg.precision.cross_entropy_loss_fusion is not False
@@ -305,6 +300,11 @@ def group_plans(plans: List[RankPlan]) -> List[RankPlan]:
     return list(rows.values())
 
 
+def _phases_apart(pl: RankPlan) -> bool:
+    """The gradient buckets come and go within the step (`peak_estimate`): the larger phase counts."""
+    return pl.grads_released and pl.micro_batches == 1 and pl.in_flight == 1 and bool(pl.buckets)
+
+
 def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     """Peak bytes of this rank in a step: model state, plus activations and the loss, plus gradients.
 
@@ -312,16 +312,18 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     non-sharded optimizer; with one micro-batch per step, and so one in flight on every pipeline stage) are
     allocated while the backward frees the activations, so the peak is the larger of two phases rather than
     their sum: the end of the forward (every activation, the loss and the first bucket) and the backward of
-    the first layers (every gradient bucket and that layer's activations, or a recomputed group's). Against the H200's peak allocated memory (2026-12-01 session 10): 1.36B
-    micro-batch 4, one micro-batch per step, bf16 / coat / coat + FP8 states 31.20 / 29.23 / 21.84 GiB
-    estimated vs 31.11 / 29.57 / 22.19 measured, eight micro-batches bf16 / coat 36.03 / 34.07 vs 36.19 / 34.66;
-    7B micro-batch 2, bf16 / coat / coat with --fp8-weight-cache none 113.46 / 125.35 / 113.29 vs 113.87 /
-    125.88 / 113.82 (summing both phases said 129.51 / 135.97 / 123.90)."""
+    the first layers (every gradient bucket and that layer's activations, or a recomputed group's).
+
+    Against the H200's peak allocated memory (2026-12-01 session 10, benchmarks/results/2026-12-01_s10_h200.md):
+    1.36B micro-batch 4, one micro-batch per step, bf16 / coat / coat + FP8 states 31.20 / 29.23 / 21.84 GiB
+    estimated vs 31.11 / 29.57 / 22.19 measured; eight micro-batches bf16 / coat 36.03 / 34.07 vs 36.19 /
+    34.66; 7B micro-batch 2, bf16 / coat / coat with --fp8-weight-cache none 113.46 / 125.35 / 113.29 vs
+    113.87 / 125.88 / 113.82 (summing both phases said 129.51 / 135.97 / 123.90)."""
     base = pl.weights + pl.fp8_weight_copies + pl.master[state_format] + pl.states[state_format]
     acts = pl.activations[recipe] * pl.in_flight + pl.loss
-    if pl.grads_released and pl.micro_batches == 1 and pl.in_flight == 1 and pl.buckets:
+    if _phases_apart(pl):
         largest_bucket = pl.grads * max(pl.buckets) // sum(pl.buckets)
-        return base + max(acts + largest_bucket, pl.grads + pl.backward_activations.get(recipe, 0))
+        return base + max(acts + largest_bucket, pl.grads + pl.backward_activations[recipe])
     return base + pl.grads + acts
 
 
@@ -354,8 +356,7 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
         lines.append(f"  activations per micro-batch (estimate): " +
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
                      + f" | up to {pl.in_flight} micro-batch(es) in flight{loss}")
-        phases = " (one micro-batch: the larger of the forward's end and the backward's)" if pl.grads_released \
-            and pl.micro_batches == 1 and pl.in_flight == 1 else ""
+        phases = " (one micro-batch: the larger of the forward's end and the backward's)" if _phases_apart(pl) else ""
         lines.append(f"  peak with this configuration (estimate){phases}: "
                      f"{_gib(peak_estimate(pl, fmt_now, recipe_now))}")
         lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
