@@ -24,8 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "csrc", "fused_adamw.cu")
 TORCH_INCLUDES = ("#include <torch/extension.h>", "#include <c10/cuda/CUDAException.h>",
                   "#include <c10/cuda/CUDAStream.h>")
-# Variant<LANES, MIN_BLOCKS, PREFETCH[, FAST_UPDATE]>: before session 9 the template had three parameters.
-KERNEL_RE = re.compile(r"adamw_kernelILi(\d)EfLb1ENS_7VariantILi(\d+)ELi(\d)ELb(\d)E(?:Lb(\d)E)?")
+# Variant<LANES, MIN_BLOCKS, PREFETCH[, FAST_UPDATE[, PIPELINE]]>: before session 9 the template had three
+# parameters, before session 11 four.
+KERNEL_RE = re.compile(r"adamw_kernelILi(\d)EfLb1ENS_7VariantILi(\d+)ELi(\d)ELb(\d)E(?:Lb(\d)E)?(?:Lb(\d)E)?")
 INSTR_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -51,7 +52,7 @@ def count(sass: str) -> list:
         m = KERNEL_RE.search(fn.split("\n", 1)[0])
         if not m:
             continue
-        fmt, lanes, min_blocks, prefetch, fast_update = (int(g or 0) for g in m.groups())
+        fmt, lanes, min_blocks, prefetch, fast_update, pipeline = (int(g or 0) for g in m.groups())
         instrs = INSTR_RE.findall(fn)
         ops = collections.Counter(op.split(".")[0] for _, op, _ in instrs)
         addrs = [int(a, 16) for a, _, _ in instrs]
@@ -62,9 +63,9 @@ def count(sass: str) -> list:
                 lo, hi = int(t.group(1), 16), int(a, 16)
                 loop = max(loop, sum(lo <= x <= hi for x in addrs))
         rows.append({"format": fmt, "lanes": lanes, "min_blocks": min_blocks, "prefetch": prefetch,
-                     "fast_update": fast_update, "instructions": len(instrs), "loop": loop,
+                     "fast_update": fast_update, "pipeline": pipeline, "instructions": len(instrs), "loop": loop,
                      "mufu": ops["MUFU"], "fp32": ops["FADD"] + ops["FMUL"] + ops["FFMA"], "calls": ops["CALL"]})
-    return sorted(rows, key=lambda r: (r["format"], r["lanes"], r["prefetch"], r["fast_update"]))
+    return sorted(rows, key=lambda r: (r["format"], r["lanes"], r["prefetch"], r["fast_update"], r["pipeline"]))
 
 
 def main() -> None:
@@ -109,8 +110,9 @@ def main() -> None:
             reg_of[tuple(int(g or 0) for g in m.groups())] = int(r)
     for row in rows:
         row["registers"] = reg_of.get((row["format"], row["lanes"], row["min_blocks"], row["prefetch"],
-                                       row["fast_update"]))
-        print("format {format} lanes {lanes:2d} prefetch {prefetch} fast_update {fast_update}: registers {registers}, "
+                                       row["fast_update"], row["pipeline"]))
+        print("format {format} lanes {lanes:2d} prefetch {prefetch} fast_update {fast_update} pipeline {pipeline}: "
+              "registers {registers}, "
               "instructions {instructions}, loop {loop}, MUFU {mufu}, fp32 {fp32}, calls {calls}".format(**row))
     if args.out:
         json.dump({"source": "csrc/fused_adamw.cu" + (f" at {args.revision}" if args.revision else ""),

@@ -80,7 +80,9 @@ VARIANT_NAMES = {0: "8 lanes x 16 elements per group, 4 groups/warp, 2 blocks/SM
                  2: "16 lanes x 8 elements per group, 2 groups/warp, 3 blocks/SM (<= 85 regs)",
                  3: "variant 2 + L2 bulk prefetch of the warp's next unit",
                  4: "variant 0, the update's sqrt and division approximate (MUFU; master within 1e-6)",
-                 5: "variant 2, the update's sqrt and division approximate (MUFU; master within 1e-6)"}
+                 5: "variant 2, the update's sqrt and division approximate (MUFU; master within 1e-6)",
+                 6: "variant 4, the next unit's loads as cp.async into shared memory (FP8 moments; else 4)",
+                 7: "variant 5, the next unit's loads as cp.async into shared memory (FP8 moments; else 5)"}
 
 
 def bench_kernels(n: int, iters: int, out: dict) -> None:

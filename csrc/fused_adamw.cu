@@ -56,13 +56,15 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 //            master and the bf16 weight change (within 1e-6 relative of the reference: DESIGN 5.4's
 //            tolerance); the moments, their codes and s, k, c do not depend on the master, so they stay
 //            bit-identical to the reference.
-template <int LANES, int MIN_BLOCKS, bool PREFETCH, bool FAST_UPDATE = false>
+template <int LANES, int MIN_BLOCKS, bool PREFETCH, bool FAST_UPDATE = false, bool PIPELINE = false>
 struct Variant {
   static_assert(LANES == 8 || LANES == 16, "8 or 16 lanes per group");
+  static_assert(!(PIPELINE && PREFETCH), "the pipeline already loads the next unit ahead");
   static constexpr int kLanes = LANES;
   static constexpr int kMinBlocks = MIN_BLOCKS;
   static constexpr bool kPrefetch = PREFETCH;
   static constexpr bool kFastUpdate = FAST_UPDATE;
+  static constexpr bool kPipeline = PIPELINE;
   static constexpr int kGroupsPerWarp = 32 / LANES;  // groups per warp and loop iteration (a unit)
   static constexpr int kRuns = 32 / LANES;           // per lane: runs of 4 contiguous elements
   static constexpr int kPerLane = 4 * kRuns;         // elements per lane
@@ -77,11 +79,16 @@ using Variant2 = Variant<16, 3, false>;
 using Variant3 = Variant<16, 3, true>;
 using Variant4 = Variant<8, 2, false, true>;
 using Variant5 = Variant<16, 3, false, true>;
-// 6-7: variant 4 with a tighter register cap (85, 64 per thread), for 3 or 4 blocks per SM: Nsight
-// Compute found variant 4 at 127 registers, 2 blocks (25% occupancy) with 42% of its stalls waiting on
-// loads (2026-12-01 s10); whether more warps hide them better than the spills cost is for the bench.
-using Variant6 = Variant<8, 3, false, true>;
-using Variant7 = Variant<8, 4, false, true>;
+// 6-7 (PIPELINE, FP8 moments only; other formats run 4 and 5's code): variants 4 and 5 with every load
+// of the warp's next unit issued as cp.async into shared memory before the current unit's arithmetic.
+// Nsight Compute found variant 4 at 127 registers, 2 blocks per SM (25% occupancy) with 42% of its stalls
+// waiting on loads, and its loop issues ~2200 instructions per unit (benchmarks/fused_adamw_sass.py):
+// with loads that block, the GPU alternates between waiting for memory and issuing arithmetic (59-60% of
+// HBM, 2026-12-01 s10). The copies need no registers while in flight; each lane reads back only what it
+// copied itself, so no barrier. L2 prefetch (1, 3) moved the data only halfway, and capping registers for
+// more blocks per SM (tried as 6-7 in session 10) was not clearly faster.
+using Variant6 = Variant<8, 2, false, true, true>;
+using Variant7 = Variant<16, 3, false, true, true>;
 constexpr int kNumVariants = 8;
 
 // kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
@@ -187,22 +194,22 @@ __device__ __forceinline__ void bf16x4_to_float(uint2 raw, float* x) {
 // benchmarks/results/2026-12-01_s6_fused_adamw_bf16_grad_sass.md). The same bits either way.
 template <typename G, int N> struct GradBits;
 template <int N> struct GradBits<float, N> {
+  using Vec = uint4;  // one run's 4 gradients as loaded
   uint32_t w[N];
-  __device__ __forceinline__ void load4(const float* p, int j) {
-    const uint4 d = __ldg(reinterpret_cast<const uint4*>(p));
+  __device__ __forceinline__ void set4(const Vec d, int j) {
     w[4 * j] = d.x; w[4 * j + 1] = d.y; w[4 * j + 2] = d.z; w[4 * j + 3] = d.w;
   }
+  __device__ __forceinline__ void load4(const float* p, int j) { set4(__ldg(reinterpret_cast<const Vec*>(p)), j); }
   __device__ __forceinline__ void load1(const float* p, int i, bool in) {
     w[i] = in ? __float_as_uint(__ldg(p)) : 0u;
   }
   __device__ __forceinline__ float operator[](int i) const { return __uint_as_float(w[i]); }
 };
 template <int N> struct GradBits<__nv_bfloat16, N> {
+  using Vec = uint2;
   uint32_t w[N / 2];  // element 2i in the low half (little-endian), as loaded
-  __device__ __forceinline__ void load4(const __nv_bfloat16* p, int j) {
-    const uint2 d = __ldg(reinterpret_cast<const uint2*>(p));
-    w[2 * j] = d.x; w[2 * j + 1] = d.y;
-  }
+  __device__ __forceinline__ void set4(const Vec d, int j) { w[2 * j] = d.x; w[2 * j + 1] = d.y; }
+  __device__ __forceinline__ void load4(const __nv_bfloat16* p, int j) { set4(__ldg(reinterpret_cast<const Vec*>(p)), j); }
   __device__ __forceinline__ void load1(const __nv_bfloat16* p, int i, bool in) {
     const uint32_t h = in ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p)) : 0u;
     w[i / 2] = i % 2 ? (w[i / 2] | (h << 16)) : h;
@@ -229,15 +236,15 @@ struct Q {
   float s, k, c, a;
 };
 
-// The lane's moment's numbers for group g. FAST: the LANES/2 lanes of a (group, moment) share the
-// two log2f, the upper half taking log2 c, the lower log2 s (the same calls on the same inputs).
+// The lane's moment's numbers for a group from its stored s, k, c. FAST: the LANES/2 lanes of a (group,
+// moment) share the two log2f, the upper half taking log2 c, the lower log2 s (the same calls on the same inputs).
 template <int FMT, int Q4>
-__device__ __forceinline__ Dq dequant_params(const Moment& M, int64_t g, int sub) {
+__device__ __forceinline__ Dq dequant_params(float s, float k, float c, int sub) {
   constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
-  Dq d{1.f, M.s[g], 1.f};
+  Dq d{1.f, s, 1.f};
   if (EXPAND) {
-    d.inv_k = __fdiv_rn(1.f, M.k[g]);
-    d.c = M.c[g];
+    d.inv_k = __fdiv_rn(1.f, k);
+    d.c = c;
   }
   if (FAST) {
     const bool hi = sub & Q4;
@@ -349,15 +356,105 @@ struct ChunkCursor {
   }
 };
 
+// Where a lane's work in unit u lies (the last unit's slots past the shard's end work on the last group
+// and store nothing: the shuffles need every lane).
+struct Where {
+  int64_t g, e, local, rem;  // group; first element in the shard, in its chunk; gradient elements from there
+  bool valid;
+};
+
+template <typename G, typename V>
+__device__ __forceinline__ Where locate(const Args& A, ChunkCursor<G>& chunk, int64_t u, int slot, int sub) {
+  Where w;
+  const int64_t g_slot = u * V::kGroupsPerWarp + slot;
+  w.valid = g_slot < A.num_groups;
+  w.g = w.valid ? g_slot : A.num_groups - 1;
+  chunk.seek(A, w.g);
+  w.e = w.g * kGroup + sub * 4;
+  w.local = (w.g - chunk.start) * kGroup + sub * 4;
+  w.rem = chunk.numel - w.local;
+  return w;
+}
+
+// Whether the lane's gradient runs are all inside the chunk and aligned for vector loads (every lane but
+// those at a chunk's end and those of a misaligned gradient).
+template <typename G, typename V>
+__device__ __forceinline__ bool grad_vectors(const ChunkCursor<G>& chunk, const Where& w) {
+  return chunk.grad_vec && w.rem >= (V::kRuns - 1) * V::kRunStride + 4;
+}
+
+// ---- the pipeline (Variant::kPipeline): cp.async copies global -> shared, 4, 8 or 16 bytes each
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+  if (BYTES == 16)  // .cg: through L2 only (nothing here is read twice)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// One pipeline stage of a block: every thread's copy of one unit, laid out [field][thread] so that the
+// threads of a warp read consecutive 16-, 8- or 4-byte slots (no bank conflicts).
+template <typename G, typename V>
+struct Stage {
+  float4 master[V::kRuns][kThreads];
+  typename GradBits<G, V::kPerLane>::Vec grad[V::kRuns][kThreads];
+  uint32_t mq[V::kRuns][kThreads], vq[V::kRuns][kThreads];  // FP8 codes, 4 per run
+  float nums[4][kThreads];  // expansion: the lane's moment's s, k, c; absmax: m's s, v's s; [3]: the decay word
+};
+
+template <int FMT, typename V>
+__host__ __device__ constexpr bool pipelined() { return V::kPipeline && FMT >= kFp8; }
+
+// Shared memory a launch needs beyond the static tables: two stages when pipelined.
+template <int FMT, typename G, typename V>
+__host__ __device__ constexpr int pipeline_bytes() { return pipelined<FMT, V>() ? 2 * (int)sizeof(Stage<G, V>) : 0; }
+
+// Issue the copies of the lane's part of a unit (no wait). The decay flag comes as the aligned 4-byte word
+// that holds it (cp.async copies 4 bytes at least; the word stays inside the flag tensor's allocation).
+template <int FMT, typename G, typename V>
+__device__ __forceinline__ void copy_unit(const Args& A, const ChunkCursor<G>& chunk, const Where& w,
+                                          Stage<G, V>& st, int tid, bool is_v) {
+  constexpr bool EXPAND = FMT >= kFp8Expand;
+#pragma unroll
+  for (int j = 0; j < V::kRuns; ++j) {
+    const int64_t o = w.e + j * V::kRunStride;
+    cp_async<16>(&st.master[j][tid], A.master + o);
+    cp_async<4>(&st.mq[j][tid], static_cast<const uint8_t*>(A.m.data) + o);
+    cp_async<4>(&st.vq[j][tid], static_cast<const uint8_t*>(A.v.data) + o);
+  }
+  if (grad_vectors<G, V>(chunk, w)) {
+#pragma unroll
+    for (int j = 0; j < V::kRuns; ++j)
+      cp_async<(int)sizeof(typename GradBits<G, V::kPerLane>::Vec)>(&st.grad[j][tid], chunk.grad + w.local + j * V::kRunStride);
+  }
+  if (EXPAND) {
+    const Moment& M = is_v ? A.v : A.m;
+    cp_async<4>(&st.nums[0][tid], M.s + w.g);
+    cp_async<4>(&st.nums[1][tid], M.k + w.g);
+    cp_async<4>(&st.nums[2][tid], M.c + w.g);
+  } else {
+    cp_async<4>(&st.nums[0][tid], A.m.s + w.g);
+    cp_async<4>(&st.nums[1][tid], A.v.s + w.g);
+  }
+  cp_async<4>(&st.nums[3][tid], reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(A.decay + w.g) & ~uintptr_t(3)));
+}
+
 template <int FMT, typename G, bool WRITE_WEIGHT, typename V>
 __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Args A) {
   constexpr bool FP8 = FMT >= kFp8, EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
-  constexpr int kLanes = V::kLanes, kGroupsPerWarp = V::kGroupsPerWarp, kRuns = V::kRuns;
+  constexpr bool PIPE = pipelined<FMT, V>();
+  constexpr int kLanes = V::kLanes, kRuns = V::kRuns;
   constexpr int kPerLane = V::kPerLane, kRunStride = V::kRunStride;
   constexpr int kHalf = kLanes / 2, kQuarter = kLanes / 4;  // partner (other moment), log2 split
   if (*A.found_inf != 0.f) return;  // skipped step: nothing changes (uniform over the block)
   __shared__ float2 tab[FAST ? 256 : 1];
   __shared__ float2 lg_tab[FAST ? kLog2Segments : 1];
+  extern __shared__ __align__(16) unsigned char pipeline_smem[];  // two Stages when PIPE
   if (FAST) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       const uint32_t mag = i & 0x7f;
@@ -374,25 +471,27 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
   // rationals in tests/test_fp8_adam.py), for bc2 = sqrt(1 - b2^t) in (0, 1] (the config keeps beta2 < 1).
   const float rbc2 = __frcp_rn(bc2);
   const float coeff = *A.coeff;
-  const int lane = threadIdx.x & 31, slot = lane / kLanes, sub = lane % kLanes;
+  const int tid = threadIdx.x, lane = tid & 31, slot = lane / kLanes, sub = lane % kLanes;
   const bool is_v = sub >= kLanes / 2;  // the moment whose per-group numbers this lane computes
-  const int64_t units = (A.num_groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
+  const int64_t units = (A.num_groups + V::kGroupsPerWarp - 1) / V::kGroupsPerWarp;
   const int64_t nwarps = (int64_t)gridDim.x * kWarpsPerBlock;
+  const int64_t first = (int64_t)blockIdx.x * kWarpsPerBlock + (tid >> 5);
   ChunkCursor<G> chunk;
-  for (int64_t u = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); u < units; u += nwarps) {
-    // Past the shard's end (last unit only) a slot works on the last group and stores nothing:
-    // the shuffles below need every lane.
-    const int64_t g_slot = u * kGroupsPerWarp + slot;
-    const bool valid = g_slot < A.num_groups;
-    const int64_t g = valid ? g_slot : A.num_groups - 1;
-    chunk.seek(A, g);
-    const int64_t e = g * kGroup + sub * 4;                          // this lane's first element
-    const int64_t local = (g - chunk.start) * kGroup + sub * 4;      // the same within the chunk
-    const int64_t rem = chunk.numel - local;                         // gradient elements from there
+  ChunkCursor<G> ahead;  // PIPE: the chunk of the unit being copied in
+  Stage<G, V>* stages = reinterpret_cast<Stage<G, V>*>(pipeline_smem);
+  if (PIPE) {
+    if (first < units) copy_unit<FMT, G, V>(A, ahead, locate<G, V>(A, ahead, first, slot, sub), stages[0], tid, is_v);
+    cp_async_commit();
+  }
+  int stage = 0;
+  for (int64_t u = first; u < units; u += nwarps, stage ^= 1) {
+    const Where w = locate<G, V>(A, chunk, u, slot, sub);
+    const int64_t g = w.g, e = w.e, local = w.local, rem = w.rem;
+    const bool valid = w.valid;
     if (V::kPrefetch && lane == 0) {  // the warp's next unit: master, moments, gradient in this chunk
-      const int64_t g0 = (u + nwarps) * kGroupsPerWarp;
+      const int64_t g0 = (u + nwarps) * V::kGroupsPerWarp;
       if (g0 < A.num_groups) {
-        const int64_t ng = A.num_groups - g0, n = (ng < kGroupsPerWarp ? ng : kGroupsPerWarp) * kGroup;
+        const int64_t ng = A.num_groups - g0, n = (ng < V::kGroupsPerWarp ? ng : V::kGroupsPerWarp) * kGroup;
         constexpr int mb = FP8 ? 1 : FMT == kBf16 ? 2 : 4;  // bytes per moment element
         prefetch_l2(A.master + g0 * kGroup, n * 4);
         prefetch_l2(static_cast<const uint8_t*>(A.m.data) + g0 * kGroup * mb, n * mb);
@@ -404,38 +503,66 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       }
     }
 
-    // ---- loads: everything this lane needs, issued before any arithmetic
+    // ---- loads: everything this lane needs, issued before any arithmetic (PIPE: the next unit's copies
+    // issued, this unit's waited for and read back from shared memory)
     float p[kPerLane], m[kPerLane], v[kPerLane];
     GradBits<G, kPerLane> gr;
     uint32_t mq[kRuns], vq[kRuns];  // FP8 codes, 4 per run
-#pragma unroll
-    for (int j = 0; j < kRuns; ++j) {
-      const float4 d = *reinterpret_cast<const float4*>(A.master + e + j * kRunStride);
-      p[4 * j] = d.x; p[4 * j + 1] = d.y; p[4 * j + 2] = d.z; p[4 * j + 3] = d.w;
-    }
-#pragma unroll
-    for (int j = 0; j < kRuns; ++j) {
-      const int64_t o = e + j * kRunStride;
-      if (FP8) {
-        mq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.m.data) + o);
-        vq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.v.data) + o);
-      } else if (FMT == kBf16) {
-        bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.m.data) + o), m + 4 * j);
-        bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.v.data) + o), v + 4 * j);
-      } else {
-        const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(A.m.data) + o);
-        const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(A.v.data) + o);
-        m[4 * j] = a.x; m[4 * j + 1] = a.y; m[4 * j + 2] = a.z; m[4 * j + 3] = a.w;
-        v[4 * j] = b.x; v[4 * j + 1] = b.y; v[4 * j + 2] = b.z; v[4 * j + 3] = b.w;
-      }
-    }
-    const float wd = A.decay[g] ? A.wd : 0.f;
-    // Gradients: zeros past the chunk's end; vector loads where the whole lane's runs are inside
-    // and aligned (every lane but those at a chunk's end).
-    if (chunk.grad_vec && rem >= (kRuns - 1) * kRunStride + 4) {
+    float nums[3] = {0.f, 0.f, 0.f};  // PIPE: the per-group numbers as copied (see Stage::nums)
+    uint32_t decay_word = 0;
+    const bool vec_grad = grad_vectors<G, V>(chunk, w);
+    if (PIPE) {
+      const int64_t next = u + nwarps;
+      if (next < units)
+        copy_unit<FMT, G, V>(A, ahead, locate<G, V>(A, ahead, next, slot, sub), stages[stage ^ 1], tid, is_v);
+      cp_async_commit();  // (an empty group past the last unit: the wait below stays the same)
+      cp_async_wait_all_but_one();
+      const Stage<G, V>& st = stages[stage];
 #pragma unroll
       for (int j = 0; j < kRuns; ++j) {
-        gr.load4(chunk.grad + local + j * kRunStride, j);
+        const float4 d = st.master[j][tid];
+        p[4 * j] = d.x; p[4 * j + 1] = d.y; p[4 * j + 2] = d.z; p[4 * j + 3] = d.w;
+        mq[j] = st.mq[j][tid];
+        vq[j] = st.vq[j][tid];
+        if (vec_grad) gr.set4(st.grad[j][tid], j);
+      }
+      nums[0] = st.nums[0][tid];
+      nums[1] = st.nums[1][tid];
+      nums[2] = st.nums[2][tid];
+      decay_word = __float_as_uint(st.nums[3][tid]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        const float4 d = *reinterpret_cast<const float4*>(A.master + e + j * kRunStride);
+        p[4 * j] = d.x; p[4 * j + 1] = d.y; p[4 * j + 2] = d.z; p[4 * j + 3] = d.w;
+      }
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        const int64_t o = e + j * kRunStride;
+        if (FP8) {
+          mq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.m.data) + o);
+          vq[j] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(A.v.data) + o);
+        } else if (FMT == kBf16) {
+          bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.m.data) + o), m + 4 * j);
+          bf16x4_to_float(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(A.v.data) + o), v + 4 * j);
+        } else {
+          const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(A.m.data) + o);
+          const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(A.v.data) + o);
+          m[4 * j] = a.x; m[4 * j + 1] = a.y; m[4 * j + 2] = a.z; m[4 * j + 3] = a.w;
+          v[4 * j] = b.x; v[4 * j + 1] = b.y; v[4 * j + 2] = b.z; v[4 * j + 3] = b.w;
+        }
+      }
+    }
+    const float wd = (PIPE ? (decay_word >> (8 * (reinterpret_cast<uintptr_t>(A.decay + g) & 3))) & 0xff : A.decay[g])
+                         ? A.wd : 0.f;
+    // Gradients: zeros past the chunk's end; vector loads where the whole lane's runs are inside and
+    // aligned (PIPE: those came with the copies).
+    if (vec_grad) {
+      if (!PIPE) {
+#pragma unroll
+        for (int j = 0; j < kRuns; ++j) {
+          gr.load4(chunk.grad + local + j * kRunStride, j);
+        }
       }
     } else {
 #pragma unroll
@@ -448,10 +575,12 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
     // its partner 4 lanes away for the other (absmax: only s, read directly).
     Dq dm{1.f, 0.f, 1.f}, dv{1.f, 0.f, 1.f};
     if (FMT == kFp8) {
-      dm.s = A.m.s[g];
-      dv.s = A.v.s[g];
+      dm.s = PIPE ? nums[0] : A.m.s[g];
+      dv.s = PIPE ? nums[1] : A.v.s[g];
     } else if (EXPAND) {
-      const Dq mine = dequant_params<FMT, kQuarter>(is_v ? A.v : A.m, g, sub);
+      const Moment& M = is_v ? A.v : A.m;
+      const Dq mine = PIPE ? dequant_params<FMT, kQuarter>(nums[0], nums[1], nums[2], sub)
+                           : dequant_params<FMT, kQuarter>(M.s[g], M.k[g], M.c[g], sub);
       const Dq other{shfl<kHalf>(mine.inv_k), shfl<kHalf>(mine.s), shfl<kHalf>(mine.c)};
       dm = is_v ? other : mine;
       dv = is_v ? mine : other;
@@ -586,10 +715,14 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
 template <int FMT, typename G, bool W, typename V>
 void launch(const Args& A, cudaStream_t stream) {
   if (A.num_groups == 0) return;
-  // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard).
+  constexpr int smem = pipeline_bytes<FMT, G, V>();
+  // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard). Asked once per
+  // kernel (and device 0's answer kept: one GPU model per process).
   static const int per_sm = [] {
+    if (smem > 48 * 1024)  // above the default cap of dynamic shared memory: opt in
+      C10_CUDA_CHECK(cudaFuncSetAttribute(adamw_kernel<FMT, G, W, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W, V>, kThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W, V>, kThreads, smem));
     return std::max(n, 1);
   }();
   int dev = 0, sms = 0;
@@ -597,7 +730,7 @@ void launch(const Args& A, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int64_t units = (A.num_groups + V::kGroupsPerWarp - 1) / V::kGroupsPerWarp;
   const int64_t blocks = std::min<int64_t>((units + kWarpsPerBlock - 1) / kWarpsPerBlock, (int64_t)per_sm * sms);
-  adamw_kernel<FMT, G, W, V><<<(unsigned)blocks, kThreads, 0, stream>>>(A);
+  adamw_kernel<FMT, G, W, V><<<(unsigned)blocks, kThreads, smem, stream>>>(A);
 }
 
 template <int FMT, typename V>

@@ -172,6 +172,8 @@ if has coat1; then
   # FP8 weights cast at each use instead of kept for the step (only when named)
   c1 coat_castperuse && mc c1_coat_castperuse${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  # The same with another variant of the fused AdamW kernel (C1_ALT_VARIANT; e.g. one not yet in FASTEST_VARIANT)
+  c1 coat_fp8states_alt && MEGACOAT_ADAMW_VARIANT=${C1_ALT_VARIANT:-6} mc c1_coat_fp8states_v${C1_ALT_VARIANT:-6}${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
   # Inductor's CUDA graphs for the compiled layers (an experiment: is the step host-bound?)
   c1 bf16_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_bf16_cudagraphs${C1_TAG:-} 20 $M1
   c1 coat_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_coat_cudagraphs${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
