@@ -40,7 +40,7 @@ mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name
   # SMI=1: sample the SM clock and power while it runs (is a busier FP8 step slowed by the power limit?)
   [ "${SMI:-0}" = 1 ] && { nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 > /tmp/smi_$name.csv & smi=$!; }
   timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
-    | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs" | cut -c1-600 | tee -a $LOG
+    | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs|weight-cache" | cut -c1-600 | tee -a $LOG
   if [ "${SMI:-0}" = 1 ]; then kill $smi; python3 -c "
 import statistics as st
 rows = [[float(v) for v in l.split(',')] for l in open('/tmp/smi_$name.csv') if l.count(',') == 2 and 'N/A' not in l]
@@ -194,6 +194,9 @@ if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, c
   for mb in ${C7_BF16_MBS:-${C7_MBS:-4}}; do mc c7_bf16_mbs$mb 6 $M7 --micro-batch-size $mb --global-batch-size $mb; done
   for mb in ${C7_COAT_MBS:-${C7_MBS:-4}}; do
     mc c7_coat_mbs$mb 6 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size $mb --global-batch-size $mb
+    # the FP8 weight copies kept whatever the memory (auto drops them where the estimated peak would not fit)
+    c7 cachestep && mc c7_coat_step_mbs$mb 6 $M7 --fp8-format hybrid --fp8-recipe coat --micro-batch-size $mb \
+      --global-batch-size $mb --fp8-weight-cache step
   done
   if c7 torchao; then setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p7_torchao_tensorwise --hidden 4096 --layers 32 \
     --heads 32 --ffn 11008 --mbs 2 --compile --float8 tensorwise --iters 6 --warmup 5; fi

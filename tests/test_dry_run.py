@@ -182,3 +182,71 @@ def test_peak_estimate_takes_the_larger_phase_only_when_gradients_come_and_go():
     assert not any(z.grads_released for z in zero)
     assert "one micro-batch: the larger of the forward's end and the backward's" in format_plan(
         parse_args(one), 1, [pl])
+
+
+def test_live_plan_of_a_trainer_equals_the_dry_runs_plan():
+    """The trainer's own plan (what --fp8-weight-cache auto decides from) gives the dry run's peak."""
+    from megacoat.training.planner import LIVE, live_plan
+    from megacoat.training.trainer import Trainer
+    flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "coat",
+                                                  "--global-batch-size", "2", "--micro-batch-size", "2"]
+    (pl,) = plan_run(parse_args(flags), 1, 301, torch.device("cpu"))
+    tr = Trainer(parse_args(flags))
+    try:
+        live = live_plan(tr.cfg, tr.ctx, tr.model, tr.chunks, tr.optimizer, tr.padded_vocab, tr.recipe.params_dtype,
+                         tr.device)
+    finally:
+        tr.close()
+    assert live.fp8_weight_copies == pl.fp8_weight_copies > 0
+    assert live.grads_released == pl.grads_released and live.micro_batches == pl.micro_batches == 1
+    for recipe in ("bf16", "coat"):
+        assert peak_estimate(live, LIVE, recipe) == peak_estimate(pl, "fp32", recipe) > 0
+
+
+def test_auto_fp8_weight_cache_drops_the_copies_when_the_peak_would_not_fit(monkeypatch):
+    """--fp8-weight-cache auto on a GPU keeps the copies while the estimated peak fits 95% of the memory the process
+    can have, else every linear casts per use (as `none`) before the first forward. Run here on the CPU with the
+    GPU's memory query replaced: the decision itself, then training on the path it chose."""
+    from megacoat.training.planner import AUTO_FP8_COPIES_SHARE, LIVE, live_plan
+    from megacoat.training.trainer import Trainer
+    flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "coat",
+                                                  "--global-batch-size", "2", "--micro-batch-size", "2"]
+    tr = Trainer(parse_args(flags))
+    try:
+        assert tr.recipe.fp8.cache_weights and tr._fit_fp8_weight_copies() is None  # CPU: no decision
+        plan = live_plan(tr.cfg, tr.ctx, tr.model, tr.chunks, tr.optimizer, tr.padded_vocab, tr.recipe.params_dtype,
+                         torch.device("cuda"))  # as the trainer plans on a GPU (the fused loss's bytes)
+        peak, copies = peak_estimate(plan, LIVE, "coat"), plan.fp8_weight_copies
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+        cpu = tr.device
+        tr.device = torch.device("cuda")
+        roomy = int(peak / AUTO_FP8_COPIES_SHARE) + 1
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (roomy, roomy))
+        assert tr._fit_fp8_weight_copies() is None and tr.recipe.fp8.cache_weights
+        tight = int(peak / AUTO_FP8_COPIES_SHARE) - 1
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (tight, tight))
+        note = tr._fit_fp8_weight_copies()
+        tr.device = cpu
+        assert note and "FP8 weight copies not kept" in note and f"{copies / 2**30:.2f} GiB" in note
+        assert not tr.recipe.fp8.cache_weights and all(getattr(c, "_fp8_refreshers", None) is None for c in tr.chunks)
+        from megacoat.precision.linear import _fp8_caches, fp8_weight_copy_bytes
+        assert fp8_weight_copy_bytes(tr.model) == 0
+        losses = [tr.train_step(tr._next_micro_batches(tr.data_iterators().train)).loss for _ in range(2)]
+        assert all(c.wq is None for _, c in _fp8_caches(tr.model))  # cast per use: nothing kept
+    finally:
+        tr.close()
+    ref = Trainer(parse_args(flags + ["--fp8-weight-cache", "none"]))
+    try:
+        expect = [ref.train_step(ref._next_micro_batches(ref.data_iterators().train)).loss for _ in range(2)]
+    finally:
+        ref.close()
+    assert [float(x) for x in losses] == [float(x) for x in expect]
+
+
+def test_dry_run_says_when_auto_would_drop_the_fp8_weight_copies():
+    flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid"]
+    cfg = parse_args(flags)
+    text = format_plan(cfg, 1, plan_run(cfg, 1, 301, torch.device("cpu")))
+    assert "--fp8-weight-cache auto drops the kept FP8 weight copies" in text
+    cfg = parse_args(flags + ["--fp8-weight-cache", "step"])
+    assert "auto drops" not in format_plan(cfg, 1, plan_run(cfg, 1, 301, torch.device("cpu")))

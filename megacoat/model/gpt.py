@@ -14,7 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
-from ..precision.linear import Fp8WeightRefresher
+from ..precision.linear import Fp8WeightRefresher, release_fp8_weight_copies
 from .rope import RotaryEmbedding
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
@@ -88,6 +88,12 @@ class GPTModel(nn.Module):
         # Per layer, what remakes its kept FP8 weight copies when stale (None: the recipe keeps none).
         self._fp8_refreshers = ([Fp8WeightRefresher(layer) for layer in self.layers]
                                 if lc.fp8 is not None and lc.fp8.cache_weights else None)
+
+    def cast_fp8_weights_per_use(self) -> int:
+        """Keep no FP8 weight copies from now on (the trainer's --fp8-weight-cache auto when they would not fit):
+        each linear casts its weight where it uses it. Returns the bytes released. Before the first forward."""
+        self._fp8_refreshers = None
+        return release_fp8_weight_copies(self)
 
     def _before(self, module: nn.Module) -> None:
         if self.pre_module_hook is not None:

@@ -410,6 +410,17 @@ class Fp8WeightRefresher:
                 c.mark_fresh(m.weight)
 
 
+def release_fp8_weight_copies(module: nn.Module) -> int:
+    """Stop keeping FP8 weight copies in the layers of `module`: from now on each casts W in its forward and W^T in
+    its backward (--fp8-weight-cache none's path). Frees the copies' buffers; returns their bytes. Call it before
+    the first forward: compiled layers trace whichever path the caches take then."""
+    freed = fp8_weight_copy_bytes(module)
+    for _, c in _fp8_caches(module):
+        c.persistent = False
+        c.wq = c.wqt = c.scale = c._amax = None
+    return freed
+
+
 def invalidate_fp8_weights(module: nn.Module) -> None:
     """The weights changed (optimizer step, checkpoint load): remake the FP8 copies before next use."""
     for _, cache in _fp8_caches(module):

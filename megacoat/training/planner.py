@@ -168,6 +168,53 @@ def _weight_bytes(opt) -> int:
     return sum(_tensor_bytes(p) for p in opt.params)
 
 
+def _buffer_layout(opt) -> dict:
+    """RankPlan's fields for the optimizer's parameter and gradient buffers (the same for every state format)."""
+    return dict(weights=_weight_bytes(opt), grads=_grad_bytes(opt),
+                buckets=[b.numel for b in opt.buffer.buckets] if hasattr(opt, "buffer") else
+                [b.numel() for b in opt.grad_buffer.buckets],
+                grads_released=hasattr(opt, "grad_buffer") and opt.grad_buffer.release_between_steps)
+
+
+def step_activations(cfg: MegacoatConfig, ctx: ParallelContext, chunks, padded_vocab: int, params_dtype: torch.dtype,
+                     target: torch.device) -> dict:
+    """RankPlan's activation fields for this rank's model chunks: per recipe the bytes saved per micro-batch and
+    those alive in the first layers' backward, micro-batches in flight, the loss's bytes, layers."""
+    m, p = cfg.model, cfg.parallel
+    kv = m.num_query_groups * m.kv_channels
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    per_layer = {r: activation_bytes_per_token_layer(m.hidden_size, m.ffn_hidden_size, kv, r, ctx.tp_size,
+                                                     p.sequence_parallel, m.activation)
+                 for r in ("bf16", "tensorwise", "coat")}
+    totals = {r: _recompute_totals(cfg, chunks, v, ctx.tp_size) for r, v in per_layer.items()}
+    # The logits exist on the last stage only, one micro-batch at a time (its backward follows its forward).
+    fused_loss = target.type == "cuda" and cfg.precision.cross_entropy_loss_fusion is not False
+    itemsize = torch.tensor([], dtype=params_dtype).element_size()
+    return dict(
+        layers=_layers_of(chunks),
+        activations={r: int(tokens * total) for r, (total, _) in totals.items()},
+        # Alive while the backward reaches the first layers, with the gradient buffers (nearly) all
+        # allocated: one layer's activations, or one recomputed group's rebuilt in full.
+        backward_activations={r: int(tokens * per_layer[r] * max(largest, 1)) for r, (_, largest) in totals.items()},
+        in_flight=min(ctx.pp_size - ctx.pp_rank, num_microbatches(cfg, ctx.dp_size)) * len(chunks),
+        loss=(tokens * loss_bytes_per_token(padded_vocab // ctx.tp_size, itemsize, fused_loss)
+              if ctx.pp_rank == ctx.pp_size - 1 else 0))
+
+
+LIVE = "live"  # the state-format key of live_plan's master and states: the optimizer this run built
+
+
+def live_plan(cfg: MegacoatConfig, ctx: ParallelContext, model, chunks, optimizer, padded_vocab: int,
+              params_dtype: torch.dtype, device: torch.device) -> RankPlan:
+    """This rank's plan from the model and optimizer the trainer built (no meta copies, no process group of its
+    own): what `peak_estimate(plan, LIVE, recipe)` needs before the first step."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    return RankPlan(ranks=[ctx.rank], pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank, params=sum(q.numel() for q in params),
+                    master={LIVE: _master_bytes(optimizer)}, states={LIVE: _state_bytes(optimizer)}, comm={},
+                    fp8_weight_copies=fp8_weight_copy_bytes(model), micro_batches=num_microbatches(cfg, ctx.dp_size),
+                    **_buffer_layout(optimizer), **step_activations(cfg, ctx, chunks, padded_vocab, params_dtype, device))
+
+
 def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: torch.dtype,
                 bucket_size: int) -> Dict[str, Dict[str, int]]:
     """Bytes sent per step by this rank's data-parallel sync, per option. The ZeRO layout (buckets
@@ -219,30 +266,12 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                           fp8=recipe.fp8)
         model, chunks = build_model_chunks(cfg.model, p, lc, ctx0, vocab_size, padded, compile_layers=False)
         params = [q for q in model.parameters() if q.requires_grad]
-        fp8_copies = fp8_weight_copy_bytes(model)
         bucket = p.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * ctx0.dp_size)
-        m = cfg.model
-        kv = m.num_query_groups * m.kv_channels
-        tokens = cfg.train.micro_batch_size * m.seq_length
-        layers = _layers_of(chunks)
-        per_layer = {r: activation_bytes_per_token_layer(m.hidden_size, m.ffn_hidden_size, kv, r, ctx0.tp_size,
-                                                         p.sequence_parallel, m.activation)
-                     for r in ("bf16", "tensorwise", "coat")}
-        totals = {r: _recompute_totals(cfg, chunks, v, ctx0.tp_size) for r, v in per_layer.items()}
-        acts = {r: int(tokens * total) for r, (total, _) in totals.items()}
-        # Alive while the backward reaches the first layers, with the gradient buffers (nearly) all
-        # allocated: one layer's activations, or one recomputed group's rebuilt in full.
-        backward_acts = {r: int(tokens * per_layer[r] * max(largest, 1)) for r, (_, largest) in totals.items()}
-        in_flight = min(ctx0.pp_size - ctx0.pp_rank, num_microbatches(cfg, ctx0.dp_size)) * len(chunks)
-        # The logits exist on the last stage only, one micro-batch at a time (its backward follows its forward).
-        fused_loss = target.type == "cuda" and cfg.precision.cross_entropy_loss_fusion is not False
-        itemsize = torch.tensor([], dtype=recipe.params_dtype).element_size()
-        loss = (tokens * loss_bytes_per_token(padded // ctx0.tp_size, itemsize, fused_loss)
-                if ctx0.pp_rank == ctx0.pp_size - 1 else 0)
+        step = step_activations(cfg, ctx0, chunks, padded, recipe.params_dtype, target)
         plans = []
         for d, global_rank in enumerate(ctx0.dp_ranks):
             ctx = dataclasses.replace(ctx0, dp_rank=d, rank=global_rank)
-            states, masters, sizes, released = {}, {}, None, False
+            states, masters, layout = {}, {}, None
             for fmt, (mom1, mom2) in STATE_FORMATS.items():
                 c = copy.deepcopy(cfg)
                 # fp32 on a GPU target: the flat codec with fp32 moments, as the optimizer picks it there
@@ -251,19 +280,12 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
                 c.optim.exp_avg_dtype, c.optim.exp_avg_sq_dtype = mom1, mom2
                 opt = build_optimizer(model, c, ctx, recipe.grad_dtype)
                 states[fmt], masters[fmt] = _state_bytes(opt), _master_bytes(opt)
-                if sizes is None:
-                    released = hasattr(opt, "grad_buffer") and opt.grad_buffer.release_between_steps
-                    sizes = (_weight_bytes(opt), _grad_bytes(opt),
-                             [b.numel for b in opt.buffer.buckets] if hasattr(opt, "buffer") else
-                             [b.numel() for b in opt.grad_buffer.buckets])
-            weights, grads, buckets = sizes
+                layout = layout or _buffer_layout(opt)
             plans.append(RankPlan(ranks=[global_rank], pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank,
-                                  params=sum(q.numel() for q in params), layers=layers, weights=weights, grads=grads,
-                                  master=masters, states=states, activations=acts, in_flight=in_flight,
-                                  comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket), buckets=buckets,
-                                  fp8_weight_copies=fp8_copies, loss=loss, grads_released=released,
-                                  micro_batches=num_microbatches(cfg, ctx0.dp_size),
-                                  backward_activations=backward_acts))
+                                  params=sum(q.numel() for q in params), master=masters, states=states,
+                                  comm=_comm_bytes(cfg, ctx, params, recipe.grad_dtype, bucket),
+                                  fp8_weight_copies=fp8_weight_copy_bytes(model),
+                                  micro_batches=num_microbatches(cfg, ctx0.dp_size), **layout, **step))
         return plans
     finally:
         dist.destroy_process_group()
@@ -327,6 +349,17 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     return base + pl.grads + acts
 
 
+# --fp8-weight-cache auto keeps the FP8 weight copies while the step's estimated peak with them stays within this
+# share of the GPU memory the process can have: the estimate is within 0.1-0.6 GiB of measured H200 peaks, and the
+# allocator's reserve runs above its allocations (7B coat micro-batch 7 peaked at 131.05 GiB allocated of 140.4).
+AUTO_FP8_COPIES_SHARE = 0.95
+
+
+def fp8_copies_fit(peak_with_copies: int, budget: int) -> bool:
+    """Whether --fp8-weight-cache auto keeps the copies: the estimated peak with them within the share of `budget`."""
+    return peak_with_copies <= AUTO_FP8_COPIES_SHARE * budget
+
+
 def _gib(n: float) -> str:
     """Bytes in GiB, or MiB below 1 GiB (small models stay readable)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
@@ -357,8 +390,12 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
                      + f" | up to {pl.in_flight} micro-batch(es) in flight{loss}")
         phases = " (one micro-batch: the larger of the forward's end and the backward's)" if _phases_apart(pl) else ""
+        auto = ""
+        if pl.fp8_weight_copies and cfg.precision.fp8_weight_cache == "auto":
+            auto = (f"; --fp8-weight-cache auto drops the kept FP8 weight copies ({_gib(pl.fp8_weight_copies)}) on a "
+                    f"GPU where this passes {AUTO_FP8_COPIES_SHARE:.0%} of the memory the run can use")
         lines.append(f"  peak with this configuration (estimate){phases}: "
-                     f"{_gib(peak_estimate(pl, fmt_now, recipe_now))}")
+                     f"{_gib(peak_estimate(pl, fmt_now, recipe_now))}{auto}")
         lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
             f"{k}{'*' if k == current else ''}: " + ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in d.items())
             for k, d in pl.comm.items()))

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +34,7 @@ from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
 from .memory_advice import out_of_memory_message
+from .planner import AUTO_FP8_COPIES_SHARE, LIVE, fp8_copies_fit, live_plan, peak_estimate
 from .lr_schedule import build_lr_scheduler, step_lr
 from .schedule import bubble_theory, install_embedding_grad_sync, run_micro_batches
 from .throughput import default_peak_tflops
@@ -173,6 +174,7 @@ class Trainer:
             self.ctx, len(self.chunks), (seq, cfg.train.micro_batch_size, m.hidden_size), self.recipe.params_dtype,
             timing=cfg.logging.log_pipeline_bubble)
         self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
+        fp8_note = self._fit_fp8_weight_copies()
         # Measured model-state memory (weights, kept FP8 weight copies, grads, masters, states) before any activation.
         allocate_fp8_weight_copies(self.model)
         self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -184,6 +186,8 @@ class Trainer:
         peak = cfg.logging.peak_tflops or default_peak_tflops(self.device, self.recipe.name)
         self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.log_name, peak,
                                       stream=log_stream or sys.stdout)
+        if fp8_note:
+            self.logger.info(fp8_note)
         self._iters = None
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
@@ -192,6 +196,29 @@ class Trainer:
         # Before the data iterators fork their workers: they inherit the handler (see ExitSignalHandler).
         self.exit_signal = ExitSignalHandler(self.device, timeout_minutes=cfg.parallel.distributed_timeout_minutes) \
             if cfg.train.exit_signal_handler else None
+
+    def _fit_fp8_weight_copies(self) -> Optional[str]:
+        """--fp8-weight-cache auto on a GPU: keep the FP8 weight copies only while the step's estimated peak with
+        them (planner.peak_estimate of this rank's model and optimizer) fits the memory this process can have;
+        else every linear casts per use, as under `none` (2 bytes less per linear weight element, ~1-2% slower).
+        Before the first forward, so compiled layers trace the path taken. Returns the log line when it drops them."""
+        fp8, cfg = self.recipe.fp8, self.cfg
+        if fp8 is None or not fp8.cache_weights or cfg.precision.fp8_weight_cache != "auto" or self.device.type != "cuda":
+            return None
+        plan = live_plan(cfg, self.ctx, self.model, self.chunks, self.optimizer, self.padded_vocab,
+                         self.recipe.params_dtype, self.device)
+        peak = peak_estimate(plan, LIVE, cfg.precision.fp8_recipe)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = free + torch.cuda.memory_reserved(self.device)
+        if fp8_copies_fit(peak, budget):
+            return None
+        freed = sum(c.cast_fp8_weights_per_use() for c in self.chunks)
+        self.recipe = replace(self.recipe, fp8=replace(fp8, cache_weights=False))
+        gib = 2 ** 30
+        return (f"> --fp8-weight-cache auto: FP8 weight copies not kept ({freed / gib:.2f} GiB): the step's estimated "
+                f"peak with them, {peak / gib:.2f} GiB, passes {AUTO_FP8_COPIES_SHARE:.0%} "
+                f"of the {budget / gib:.2f} GiB this process can use; each linear casts its weight per use "
+                f"(--fp8-weight-cache step keeps them anyway)")
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
