@@ -11,12 +11,17 @@ import os
 import sys
 import time
 
-from megacoat.config import ConfigError, parse_args
-from megacoat.data import DataConfigError, TokenizerError
-from megacoat.parallel.context import LaunchError
-from megacoat.training.log import configure_library_logging
-from megacoat.training.faults import TrainingStopped
-from megacoat.training.trainer import pretrain
+# Before torch initializes its CUDA allocator: segments that grow in place, so that blocks freed at one size
+# are not stranded for the next (a 7B bf16 step at micro-batch 6 ran out of memory on the H200 with 7.5 GiB
+# reserved but unallocated; torchtitan's launcher sets the same). A PYTORCH_CUDA_ALLOC_CONF of your own wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from megacoat.config import ConfigError, parse_args  # noqa: E402 (after the allocator setting)
+from megacoat.data import DataConfigError, TokenizerError  # noqa: E402
+from megacoat.parallel.context import LaunchError  # noqa: E402
+from megacoat.training.log import configure_library_logging  # noqa: E402
+from megacoat.training.faults import TrainingStopped  # noqa: E402
+from megacoat.training.trainer import pretrain  # noqa: E402
 
 
 # How long a rank other than 0 waits before reporting a configuration error itself (see report_config_error).
