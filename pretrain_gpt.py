@@ -11,10 +11,10 @@ import os
 import sys
 import time
 
-# Before torch initializes its CUDA allocator: segments that grow in place, so that blocks freed at one size
-# are not stranded for the next (a 7B bf16 step at micro-batch 6 ran out of memory on the H200 with 7.5 GiB
-# reserved but unallocated; torchtitan's launcher sets the same). A PYTORCH_CUDA_ALLOC_CONF of your own wins.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+from megacoat.training.allocator import default_cuda_allocator_settings
+
+# Before anything starts CUDA: the allocator's expandable segments, unless you configured it yourself.
+default_cuda_allocator_settings()
 
 from megacoat.config import ConfigError, parse_args  # noqa: E402 (after the allocator setting)
 from megacoat.data import DataConfigError, TokenizerError  # noqa: E402

@@ -8,11 +8,18 @@ description in DESIGN.md; it is a yardstick, not part of the library.
 """
 import argparse
 import json
+import os
 import time
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+# The allocator setting megacoat's pretrain_gpt.py (and torchtitan's launcher) use, so that the peer is not
+# measured with more fragmentation than megacoat; an allocator configuration of the caller's own wins. Written
+# out here, not imported: the peer is plain PyTorch.
+if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 class Block(nn.Module):

@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       }
       nums[0] = st.nums[0][tid];
       nums[1] = st.nums[1][tid];
-      nums[2] = st.nums[2][tid];
+      if (EXPAND) nums[2] = st.nums[2][tid];  // absmax copies no third number
       decay_word = __float_as_uint(st.nums[3][tid]);
     } else {
 #pragma unroll
@@ -718,11 +718,13 @@ template <int FMT, typename G, bool W, typename V>
 void launch(const Args& A, cudaStream_t stream) {
   if (A.num_groups == 0) return;
   constexpr int smem = pipeline_bytes<FMT, G, V>();
+  // Opt in to the pipeline's dynamic shared memory: static + dynamic above 48 KiB needs it (variant 6: 88 KiB,
+  // 7: 48 KiB + the FAST tables). At every launch: the attribute belongs to the current device, and it is cheap.
+  if (smem > 0)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(adamw_kernel<FMT, G, W, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard). Asked once per
-  // kernel (and device 0's answer kept: one GPU model per process).
+  // kernel (the first device's answer kept: one GPU model per process).
   static const int per_sm = [] {
-    if (smem > 0)  // opt in: static + dynamic above 48 KiB needs it (variant 7: 48 KiB + the FAST tables)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(adamw_kernel<FMT, G, W, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W, V>, kThreads, smem));
     return std::max(n, 1);

@@ -132,7 +132,8 @@ class PrecisionConfig:
                 "the whole optimizer step, remade once after it; none = cast the weight at each use (forward, and W^T "
                 "again in backward: no extra memory, more launches and traffic per micro-batch); auto = step unless a "
                 "step has one micro-batch under --overlap-param-gather (each layer then waits for its weights: the "
-                "copies could not be made ahead).",
+                "copies could not be made ahead) or, on a GPU, the step's estimated peak with the copies passes 95% "
+                "of the memory the process can use (then none; said in the log).",
         choices=["auto", "step", "none"])
     gradient_accumulation_fusion: bool = _f(
         True, "The weight-gradient GEMM accumulates straight into the fp32 (or bf16) main gradient buffer "
@@ -448,6 +449,8 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         # The optimizers compute in fp32: a beta that rounds to 1 there zeroes a bias correction.
         if not 0.0 <= round_to_fp32(beta) < 1.0:
             errors.append(f"{flag} {beta} must be >= 0 and < 1 in fp32.")
+    if not o.adam_eps > 0.0:  # zero: 0/0 for every element whose moments are zero (torch's AdamW too)
+        errors.append(f"--adam-eps {o.adam_eps} must be > 0 (e.g. Megatron's default 1e-8).")
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1).")

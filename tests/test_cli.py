@@ -121,3 +121,15 @@ def test_entry_point_sets_expandable_segments_unless_the_user_did(preset):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == (preset or "expandable_segments:True")
+
+
+def test_allocator_default_leaves_a_configured_or_started_allocator_alone(monkeypatch):
+    """Neither variable set: expandable segments; either set (torch 2.9+ also reads PYTORCH_ALLOC_CONF, which the CUDA
+    name would override): untouched."""
+    from megacoat.training.allocator import default_cuda_allocator_settings
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    assert default_cuda_allocator_settings() and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert not default_cuda_allocator_settings() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

@@ -244,9 +244,21 @@ def test_auto_fp8_weight_cache_drops_the_copies_when_the_peak_would_not_fit(monk
 
 
 def test_dry_run_says_when_auto_would_drop_the_fp8_weight_copies():
+    """The dry run names the GPU memory below which auto drops the copies: the peak over the kept share."""
+    from megacoat.training.planner import AUTO_FP8_COPIES_SHARE, _gib, fp8_copies_fit
     flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid"]
     cfg = parse_args(flags)
-    text = format_plan(cfg, 1, plan_run(cfg, 1, 301, torch.device("cpu")))
-    assert "--fp8-weight-cache auto drops the kept FP8 weight copies" in text
+    (pl,) = plan_run(cfg, 1, 301, torch.device("cpu"))
+    text = format_plan(cfg, 1, [pl])
+    peak = peak_estimate(pl, "fp32", "coat")
+    assert f"{_gib(peak)}; --fp8-weight-cache auto drops the kept FP8 weight copies ({_gib(pl.fp8_weight_copies)}) " \
+           f"where the run can use less than {_gib(peak / AUTO_FP8_COPIES_SHARE)}" in text
+    edge = peak / AUTO_FP8_COPIES_SHARE
+    assert fp8_copies_fit(peak, int(edge) + 1) and not fp8_copies_fit(peak, int(edge) - 1)
     cfg = parse_args(flags + ["--fp8-weight-cache", "step"])
     assert "auto drops" not in format_plan(cfg, 1, plan_run(cfg, 1, 301, torch.device("cpu")))
+
+
+def test_adam_eps_must_be_positive():
+    with pytest.raises(ConfigError, match="--adam-eps 0.0 must be > 0"):
+        plan_run(parse_args(BASE + ["--adam-eps", "0"]), 1, 301)

@@ -34,7 +34,7 @@ the backward reduce-scatters dx in bf16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -418,6 +418,10 @@ def release_fp8_weight_copies(module: nn.Module) -> int:
     for _, c in _fp8_caches(module):
         c.persistent = False
         c.wq = c.wqt = c.scale = c._amax = None
+    for m in module.modules():  # caches made later (make_cache) keep nothing either
+        impl = getattr(m, "linear_impl", None)
+        if isinstance(impl, Fp8LinearImpl) and impl.recipe.cache_weights:
+            impl.recipe = replace(impl.recipe, cache_weights=False)
     return freed
 
 

@@ -82,7 +82,8 @@ def keep_fp8_weights(choice: str, num_microbatches: int, overlap_param_gather: b
     per-use casting reads W in the forward and again in the backward: +1.1% tokens/s at 1.36B and one
     micro-batch, for 2 bytes per linear weight element). Under --overlap-param-gather a step of one
     micro-batch casts per use: each layer's weights arrive just before its forward, so keeping copies would only
-    cost memory."""
+    cost memory. On a GPU the trainer may still drop the copies `auto` keeps, before the first forward, when the
+    step would not fit with them (Trainer._fit_fp8_weight_copies)."""
     if choice not in ("auto", "step", "none"):
         raise ValueError(f"--fp8-weight-cache {choice!r}: use auto, step or none")
     if choice != "auto":

@@ -390,12 +390,12 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
                      + f" | up to {pl.in_flight} micro-batch(es) in flight{loss}")
         phases = " (one micro-batch: the larger of the forward's end and the backward's)" if _phases_apart(pl) else ""
-        auto = ""
+        peak, auto = peak_estimate(pl, fmt_now, recipe_now), ""
         if pl.fp8_weight_copies and cfg.precision.fp8_weight_cache == "auto":
-            auto = (f"; --fp8-weight-cache auto drops the kept FP8 weight copies ({_gib(pl.fp8_weight_copies)}) on a "
-                    f"GPU where this passes {AUTO_FP8_COPIES_SHARE:.0%} of the memory the run can use")
-        lines.append(f"  peak with this configuration (estimate){phases}: "
-                     f"{_gib(peak_estimate(pl, fmt_now, recipe_now))}{auto}")
+            auto = (f"; --fp8-weight-cache auto drops the kept FP8 weight copies ({_gib(pl.fp8_weight_copies)}) where "
+                    f"the run can use less than {_gib(peak / AUTO_FP8_COPIES_SHARE)} of a GPU's memory "
+                    f"({AUTO_FP8_COPIES_SHARE:.0%} of it for this peak)")
+        lines.append(f"  peak with this configuration (estimate){phases}: {_gib(peak)}{auto}")
         lines.append("  bytes sent per step (data-parallel sync, MiB): " + " | ".join(
             f"{k}{'*' if k == current else ''}: " + ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in d.items())
             for k, d in pl.comm.items()))

@@ -33,6 +33,7 @@ from ..precision.linear import (Fp8WeightRefresher, allocate_fp8_weight_copies, 
 from ..precision.recipe import resolve_precision
 from .faults import ExitSignalHandler, SkipGuard, TrainingStopped
 from .log import IterationLogger, print_config, skip_flags
+from .allocator import default_cuda_allocator_settings
 from .memory_advice import out_of_memory_message
 from .planner import AUTO_FP8_COPIES_SHARE, LIVE, fp8_copies_fit, live_plan, peak_estimate
 from .lr_schedule import build_lr_scheduler, step_lr
@@ -133,6 +134,7 @@ class Trainer:
     """Builds everything from a config and runs training. Tests use its pieces directly."""
 
     def __init__(self, cfg: MegacoatConfig, *, log_stream=None):
+        default_cuda_allocator_settings()  # library callers too (pretrain_gpt.py did it before its imports)
         apply_launcher_environment()  # `srun python pretrain_gpt.py`: torchrun's variables from SLURM's
         world = int(os.environ.get("WORLD_SIZE", 1))
         apply_checkpoint_args(cfg)  # --use-checkpoint-args: architecture flags from the checkpoint in --load
@@ -174,7 +176,7 @@ class Trainer:
             self.ctx, len(self.chunks), (seq, cfg.train.micro_batch_size, m.hidden_size), self.recipe.params_dtype,
             timing=cfg.logging.log_pipeline_bubble)
         self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
-        fp8_note = self._fit_fp8_weight_copies()
+        fp8_note = self._fit_fp8_weight_copies()  # this rank's; reported below for every rank
         # Measured model-state memory (weights, kept FP8 weight copies, grads, masters, states) before any activation.
         allocate_fp8_weight_copies(self.model)
         self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -186,8 +188,7 @@ class Trainer:
         peak = cfg.logging.peak_tflops or default_peak_tflops(self.device, self.recipe.name)
         self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.log_name, peak,
                                       stream=log_stream or sys.stdout)
-        if fp8_note:
-            self.logger.info(fp8_note)
+        self._report_fp8_copies_dropped(fp8_note)
         self._iters = None
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
@@ -203,7 +204,10 @@ class Trainer:
         else every linear casts per use, as under `none` (2 bytes less per linear weight element, ~1-2% slower).
         Before the first forward, so compiled layers trace the path taken. Returns the log line when it drops them."""
         fp8, cfg = self.recipe.fp8, self.cfg
-        if fp8 is None or not fp8.cache_weights or cfg.precision.fp8_weight_cache != "auto" or self.device.type != "cuda":
+        # The same answer on every rank (flags and device type): _report_fp8_copies_dropped's collective relies on it.
+        self._fp8_copies_decided = (fp8 is not None and fp8.cache_weights and cfg.precision.fp8_weight_cache == "auto"
+                                    and self.device.type == "cuda")
+        if not self._fp8_copies_decided:
             return None
         plan = live_plan(cfg, self.ctx, self.model, self.chunks, self.optimizer, self.padded_vocab,
                          self.recipe.params_dtype, self.device)
@@ -219,6 +223,26 @@ class Trainer:
                 f"peak with them, {peak / gib:.2f} GiB, passes {AUTO_FP8_COPIES_SHARE:.0%} "
                 f"of the {budget / gib:.2f} GiB this process can use; each linear casts its weight per use "
                 f"(--fp8-weight-cache step keeps them anyway)")
+
+    def _report_fp8_copies_dropped(self, note: Optional[str]) -> None:
+        """The copies are decided per rank (pipeline stages hold different activations; stage 0 the most), and the
+        logging rank is the last: it says how many ranks dropped them, with its own reason or that it kept its own.
+        Collective over all ranks when the decision ran (it runs on every rank or on none: FP8, auto, GPU)."""
+        if not self._fp8_copies_decided:
+            return
+        dropped = torch.tensor([0 if note is None else 1], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(dropped)
+        n, world = int(dropped.item()), dist.get_world_size() if dist.is_initialized() else 1
+        if n == 0:
+            return
+        if world == 1:
+            self.logger.info(note)
+        elif note is not None:
+            self.logger.info(f"{note} [{n} of {world} ranks dropped theirs]")
+        else:
+            self.logger.info(f"> --fp8-weight-cache auto: {n} of {world} ranks do not keep their FP8 weight copies "
+                             f"(their step's estimated peak with them would not fit); this rank keeps its own")
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
