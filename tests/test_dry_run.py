@@ -262,3 +262,29 @@ def test_dry_run_says_when_auto_would_drop_the_fp8_weight_copies():
 def test_adam_eps_must_be_positive():
     with pytest.raises(ConfigError, match="--adam-eps 0.0 must be > 0"):
         plan_run(parse_args(BASE + ["--adam-eps", "0"]), 1, 301)
+
+
+def _report_on_ranks(rank, world, dropping, out_dir):
+    """The weight-cache report of each rank, through a stand-in trainer (the decision itself needs a GPU)."""
+    from types import SimpleNamespace
+    from megacoat.training.trainer import Trainer
+    lines = []
+    stub = SimpleNamespace(_fp8_copies_decided=True, device=torch.device("cpu"),
+                           logger=SimpleNamespace(info=lines.append))
+    Trainer._report_fp8_copies_dropped(stub, f"> dropped on rank {rank}" if rank in dropping else None)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(lines, f)
+
+
+@pytest.mark.parametrize("dropping", [[0], [0, 1], []])
+def test_weight_cache_report_counts_every_ranks_decision(tmp_path, dropping):
+    """Pipeline stage 0 drops its copies first, but the last rank logs: it says how many ranks dropped theirs."""
+    run_distributed(_report_on_ranks, 2, dropping, str(tmp_path))
+    said = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    if not dropping:
+        assert said == [[], []]
+    elif dropping == [0]:
+        assert said[1] == ["> --fp8-weight-cache auto: 1 of 2 ranks do not keep their FP8 weight copies (their step's "
+                           "estimated peak with them would not fit); this rank keeps its own"]
+    else:
+        assert said[1] == ["> dropped on rank 1 [2 of 2 ranks dropped theirs]"]
