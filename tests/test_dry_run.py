@@ -288,3 +288,42 @@ def test_weight_cache_report_counts_every_ranks_decision(tmp_path, dropping):
                            "estimated peak with them would not fit); this rank keeps its own"]
     else:
         assert said[1] == ["> dropped on rank 1 [2 of 2 ranks dropped theirs]"]
+
+
+def test_coat_activation_estimate_equals_what_its_layer_saves():
+    """activation_bytes_per_token_layer for coat against the bytes a coat layer saves for backward (saved-tensor
+    hooks on distinct storages, weights and RoPE tables left out): equal but for the attention's logsumexp and
+    the norms' rstd (fp32 per head and per token). Catches a saved tensor the estimate misses (the attention's bf16
+    output next to coat's FP8 copy of it) or miscounts (the 1x16 scales are bf16)."""
+    from megacoat.config import ModelConfig, resolve_model_defaults
+    from megacoat.model.rope import RotaryEmbedding
+    from megacoat.model.transformer import LayerContext, TransformerLayer
+    from megacoat.parallel.random import seed_everything
+    from megacoat.precision.linear import _fp8_caches, refresh_fp8_weights
+    from megacoat.precision.recipe import Fp8Recipe
+    h, f, heads, seq = 256, 688, 4, 128
+    m = ModelConfig(num_layers=2, hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads, seq_length=seq,
+                    max_position_embeddings=seq, attention_dropout=0.0, hidden_dropout=0.0)
+    resolve_model_defaults(m)
+    cpu = torch.device("cpu")
+    layer = TransformerLayer(m, LayerContext(None, False, seed_everything(1, 0, cpu), torch.bfloat16, cpu, 1,
+                                             fp8=Fp8Recipe()), 0)
+    refresh_fp8_weights(layer)
+    rope = RotaryEmbedding(m.kv_channels, seq, m.rotary_base, device=cpu)(torch.arange(seq).unsqueeze(0), torch.bfloat16)
+    excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    excluded |= {t.untyped_storage().data_ptr() for _, c in _fp8_caches(layer) for t in (c.wq, c.wqt, c.scale)}
+    excluded |= {t.untyped_storage().data_ptr() for t in rope}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in excluded:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(seq, 1, h, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, rope)
+    estimate = activation_bytes_per_token_layer(h, f, h, "coat", 1, False) * seq
+    fp32_stats = seq * (4 * heads + 2 * 4)  # logsumexp per head, rstd of both norms
+    assert sum(seen.values()) == pytest.approx(estimate + fp32_stats, abs=64), (sum(seen.values()), estimate)

@@ -71,22 +71,27 @@ def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, reci
     """Bytes saved for backward per token by one transformer layer (an estimate).
 
     Saved per token (h hidden, f ffn, kv key/value width), bf16 = 2 bytes per element:
-      norm1 input h, norm1 output h (QKV GEMM input), q h + k kv + v kv (attention backward; flash /
-      SDPA saves no s x s matrix), attention output h (projection input), norm2 input h, norm2
-      output h (MLP GEMM input), MLP: gate f + up f + product f (SwiGLU) or pre-activation f +
-      activation f (GELU). GEMM inputs (norm outputs, attention output, product) are FP8 (1 byte)
-      under tensorwise and coat; coat also keeps norm inputs, gate and up in FP8 with one fp32
-      scale per 16 values (DESIGN 5.3). Under TP the attention and MLP parts are split over ranks;
-      the norm / residual parts too with sequence parallelism.
+      norm1 input h, norm1 output h (QKV GEMM input), q h + k kv + v kv and the attention output h (the
+      attention's own backward keeps all four in bf16; flash / SDPA saves no s x s matrix), norm2 input h, norm2
+      output h (MLP GEMM input), MLP: gate f + up f + product f (SwiGLU) or pre-activation f + activation f
+      (GELU). GEMM inputs (norm outputs, product) are FP8 (1 byte) under tensorwise and coat; coat also keeps
+      norm inputs, gate and up in FP8 with one bf16 scale per 16 values (DESIGN 5.3) and saves the projection's
+      input as its own transposed FP8 copy next to the attention's bf16 output (bf16 and tensorwise save that
+      one tensor for both). Under TP the attention and MLP parts are split over ranks; the norm / residual parts
+      too with sequence parallelism. Coat's terms were checked against what its layer saves (saved-tensor hooks
+      on the CPU: within 24 bytes per token, the logsumexp and rstd) and against H200 peaks at 7B micro-batch 2,
+      7 and 8 (session 11: the attention output and the bf16 scales were missing or miscounted before, 0.5-2.4
+      GiB low).
     """
     mlp = 3 * ffn if activation == "swiglu" else 2 * ffn
     fp8 = recipe in ("tensorwise", "coat")
-    grouped = 1 + 4 / 16  # FP8 1x16 with an fp32 scale per group
+    grouped = 1 + 2 / 16  # FP8 1x16 with a bf16 scale per group (fp8.quantize_groupwise)
     gemm_in = 1 if fp8 else 2
     norm_in = grouped if recipe == "coat" else 2
     mlp_pointwise = grouped if recipe == "coat" else 2
+    projection_copy = hidden if recipe == "coat" else 0  # coat's FP8 x^T of the attention output
     replicated = 2 * norm_in * hidden + 2 * gemm_in * hidden          # norm inputs, norm outputs
-    split = (2 * (hidden + 2 * kv_hidden) + gemm_in * hidden            # q, k, v; attention output
+    split = (2 * (2 * hidden + 2 * kv_hidden) + projection_copy         # q, k, v, attention output
              + mlp_pointwise * (mlp - ffn) + gemm_in * ffn)             # gate/up (pre-act) ; down input
     return replicated / (tp if sequence_parallel else 1) + split / tp
 
@@ -336,11 +341,14 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     their sum: the end of the forward (every activation, the loss and the first bucket) and the backward of
     the first layers (every gradient bucket and that layer's activations, or a recomputed group's).
 
-    Against the H200's peak allocated memory (2026-12-01 session 10, benchmarks/results/2026-12-01_s10_h200.md):
-    1.36B micro-batch 4, one micro-batch per step, bf16 / coat / coat + FP8 states 31.20 / 29.23 / 21.84 GiB
-    estimated vs 31.11 / 29.57 / 22.19 measured; eight micro-batches bf16 / coat 36.03 / 34.07 vs 36.19 /
-    34.66; 7B micro-batch 2, bf16 / coat / coat with --fp8-weight-cache none 113.46 / 125.35 / 113.29 vs
-    113.87 / 125.88 / 113.82 (summing both phases said 129.51 / 135.97 / 123.90)."""
+    Against the H200's peak allocated memory (sessions 10 and 11, benchmarks/results/2026-12-01_s10_h200.md and
+    2026-12-02_s11_h200.md), estimated vs measured GiB:
+    - 1.36B micro-batch 4, one micro-batch per step: bf16 31.20 vs 31.11, tensorwise 31.71 vs 31.63, coat 29.63
+      vs 29.57, coat + FP8 states 22.24 vs 22.19; eight micro-batches: bf16 36.03 vs 36.19, coat 34.46 vs 34.66;
+    - 7B, one micro-batch per step: bf16 micro-batch 2 / 5 / 6: 113.46 / 129.72 / 138.00 vs 113.87 / 130.24 /
+      138.37; coat (kept FP8 weights) micro-batch 2: 125.37 vs 125.88; coat without them, micro-batch 2 / 7 / 8:
+      113.31 / 128.53 / 134.27 vs 113.82 / 128.94 / 134.52.
+    Summing both phases said 129.51 / 135.97 / 123.90 for 7B micro-batch 2."""
     base = pl.weights + pl.fp8_weight_copies + pl.master[state_format] + pl.states[state_format]
     acts = pl.activations[recipe] * pl.in_flight + pl.loss
     if _phases_apart(pl):
@@ -350,8 +358,8 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
 
 
 # --fp8-weight-cache auto keeps the FP8 weight copies while the step's estimated peak with them stays within this
-# share of the GPU memory the process can have: the estimate is within 0.1-0.6 GiB of measured H200 peaks, and the
-# allocator's reserve runs above its allocations (7B coat micro-batch 7 peaked at 131.05 GiB allocated of 140.4).
+# share of the GPU memory the process can have: the estimate is within 0.05-0.52 GiB of fourteen measured H200 peaks
+# (peak_estimate), and the allocator's reserve runs above its allocations.
 AUTO_FP8_COPIES_SHARE = 0.95
 
 
