@@ -207,13 +207,16 @@ def test_auto_fp8_weight_cache_drops_the_copies_when_the_peak_would_not_fit(monk
     """--fp8-weight-cache auto on a GPU keeps the copies while the estimated peak fits 95% of the memory the process
     can have, else every linear casts per use (as `none`) before the first forward. Run here on the CPU with the
     GPU's memory query replaced: the decision itself, then training on the path it chose."""
+    import megacoat.training.trainer as trainer_module
     from megacoat.training.planner import AUTO_FP8_COPIES_SHARE, LIVE, live_plan
     from megacoat.training.trainer import Trainer
     flags = [f for f in BASE if f != "--fp32"] + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "coat",
                                                   "--global-batch-size", "2", "--micro-batch-size", "2"]
+    reported = []  # the cross-rank report (its collective would allocate on the posed GPU): test_weight_cache_report_*
+    monkeypatch.setattr(trainer_module, "report_fp8_copies_dropped", lambda note, device, log: reported.append(note))
     tr = Trainer(parse_args(flags))
     try:
-        assert tr.recipe.fp8.cache_weights and tr._fit_fp8_weight_copies() is None  # CPU: no decision
+        assert tr.recipe.fp8.cache_weights and tr._fit_fp8_weight_copies() is None and reported == []  # CPU: none
         plan = live_plan(tr.cfg, tr.ctx, tr.model, tr.chunks, tr.optimizer, tr.padded_vocab, tr.recipe.params_dtype,
                          torch.device("cuda"))  # as the trainer plans on a GPU (the fused loss's bytes)
         peak, copies = peak_estimate(plan, LIVE, "coat"), plan.fp8_weight_copies
@@ -222,12 +225,13 @@ def test_auto_fp8_weight_cache_drops_the_copies_when_the_peak_would_not_fit(monk
         tr.device = torch.device("cuda")
         roomy = int(peak / AUTO_FP8_COPIES_SHARE) + 1
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (roomy, roomy))
-        assert tr._fit_fp8_weight_copies() is None and tr.recipe.fp8.cache_weights
+        assert tr._fit_fp8_weight_copies() is None and tr.recipe.fp8.cache_weights and reported == [None]
         tight = int(peak / AUTO_FP8_COPIES_SHARE) - 1
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (tight, tight))
         note = tr._fit_fp8_weight_copies()
         tr.device = cpu
         assert note and "FP8 weight copies not kept" in note and f"{copies / 2**30:.2f} GiB" in note
+        assert reported == [None, note]
         assert not tr.recipe.fp8.cache_weights and all(getattr(c, "_fp8_refreshers", None) is None for c in tr.chunks)
         from megacoat.precision.linear import _fp8_caches, fp8_weight_copy_bytes
         assert fp8_weight_copy_bytes(tr.model) == 0
@@ -266,12 +270,10 @@ def test_adam_eps_must_be_positive():
 
 def _report_on_ranks(rank, world, dropping, out_dir):
     """The weight-cache report of each rank, through a stand-in trainer (the decision itself needs a GPU)."""
-    from types import SimpleNamespace
-    from megacoat.training.trainer import Trainer
+    from megacoat.training.trainer import report_fp8_copies_dropped
     lines = []
-    stub = SimpleNamespace(_fp8_copies_decided=True, device=torch.device("cpu"),
-                           logger=SimpleNamespace(info=lines.append))
-    Trainer._report_fp8_copies_dropped(stub, f"> dropped on rank {rank}" if rank in dropping else None)
+    report_fp8_copies_dropped(f"> dropped on rank {rank}" if rank in dropping else None, torch.device("cpu"),
+                              lines.append)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(lines, f)
 

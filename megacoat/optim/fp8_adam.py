@@ -36,11 +36,6 @@ import torch
 from ..config import round_to_fp32
 
 GROUP = 128
-
-
-def moment_bytes_per_element(fmt: str) -> float:
-    """Bytes one Adam moment takes per element in `fmt` (fp8: the code plus fp32 s, k, c per group)."""
-    return {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 12 / GROUP}[fmt]
 FP8_MAX = 448.0
 TINY = 1e-30                                   # DESIGN 5.4: added to the group max and nonzero min
 K16 = float(torch.tensor(16 * math.log2(FP8_MAX * FP8_MAX / 2), dtype=torch.float32))  # 16 log2(448^2/2)
@@ -51,6 +46,11 @@ K16 = float(torch.tensor(16 * math.log2(FP8_MAX * FP8_MAX / 2), dtype=torch.floa
 K_MAX = 1024.0
 K_MIN = 1.0 / 16
 FORMATS = ("fp32", "bf16", "fp8")
+
+
+def moment_bytes_per_element(fmt: str) -> float:
+    """Bytes one Adam moment takes per element in `fmt` (fp8: the code plus fp32 s, k, c per group)."""
+    return {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 12 / GROUP}[fmt]
 
 
 # ------------------------------------------------------------------------------ fp32 functions

@@ -103,16 +103,11 @@ def loss_bytes_per_token(vocab_local: int, itemsize: int, fused: bool) -> int:
     return vocab_local * (2 * itemsize + (0 if fused else 4))
 
 
-def activation_bytes_with_recompute(cfg: MegacoatConfig, chunks, per_layer: float, tp: int) -> float:
-    """Per token, over this rank's layers: --recompute-granularity full keeps only the input of each
-    recomputed group (bf16, sequence-sharded under SP) plus, during backward, one group's full
-    activations; other layers keep everything (selective: the estimate does not change, the
-    attention core saves no s x s matrix with SDPA / flash attention)."""
-    return _recompute_totals(cfg, chunks, per_layer, tp)[0]
-
-
 def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int):
-    """(activation bytes per token over this rank's layers, layers of the largest recomputed group)."""
+    """(activation bytes per token over this rank's layers, layers of the largest recomputed group).
+    --recompute-granularity full keeps only the input of each recomputed group (bf16, sequence-sharded under SP)
+    plus, during backward, one group's full activations; other layers keep everything (selective: the estimate
+    does not change, the attention core saves no s x s matrix with SDPA / flash attention)."""
     t = cfg.train
     total, largest = 0.0, 0
     for chunk in chunks:
@@ -346,8 +341,8 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     - 1.36B micro-batch 4, one micro-batch per step: bf16 31.20 vs 31.11, tensorwise 31.71 vs 31.63, coat 29.63
       vs 29.57, coat + FP8 states 22.24 vs 22.19; eight micro-batches: bf16 36.03 vs 36.19, coat 34.46 vs 34.66;
     - 7B, one micro-batch per step: bf16 micro-batch 2 / 5 / 6: 113.46 / 129.72 / 138.00 vs 113.87 / 130.24 /
-      138.37; coat (kept FP8 weights) micro-batch 2: 125.37 vs 125.88; coat without them, micro-batch 2 / 7 / 8:
-      113.31 / 128.53 / 134.27 vs 113.82 / 128.94 / 134.52.
+      138.37; coat (kept FP8 weights) micro-batch 2: 125.37 vs 125.88, with FP8 optimizer states 88.89 vs 89.40;
+      coat without them, micro-batch 2 / 7 / 8: 113.31 / 128.53 / 134.27 vs 113.82 / 128.94 / 134.52.
     Summing both phases said 129.51 / 135.97 / 123.90 for 7B micro-batch 2."""
     base = pl.weights + pl.fp8_weight_copies + pl.master[state_format] + pl.states[state_format]
     acts = pl.activations[recipe] * pl.in_flight + pl.loss

@@ -26,6 +26,7 @@ from ..model.recompute import RecomputePlan
 from ..model.transformer import LayerContext
 from ..optim.factory import build_optimizer
 from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
+from ..parallel.mappings import all_reduce, group_size
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
 from ..precision.linear import (Fp8WeightRefresher, allocate_fp8_weight_copies, fp8_weight_copy_bytes,
@@ -176,10 +177,6 @@ class Trainer:
             self.ctx, len(self.chunks), (seq, cfg.train.micro_batch_size, m.hidden_size), self.recipe.params_dtype,
             timing=cfg.logging.log_pipeline_bubble)
         self._bubble = [0.0, 0.0, 0]  # compute s, schedule s, steps (since the last log line)
-        fp8_note = self._fit_fp8_weight_copies()  # this rank's; reported below for every rank
-        # Measured model-state memory (weights, kept FP8 weight copies, grads, masters, states) before any activation.
-        allocate_fp8_weight_copies(self.model)
-        self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.scheduler = build_lr_scheduler(cfg)
         self.num_micro = num_microbatches(cfg, self.ctx.dp_size)
         self.state = TrainState()
@@ -188,7 +185,10 @@ class Trainer:
         peak = cfg.logging.peak_tflops or default_peak_tflops(self.device, self.recipe.name)
         self.logger = IterationLogger(cfg, self.ctx, self.device, self.recipe.log_name, peak,
                                       stream=log_stream or sys.stdout)
-        self._report_fp8_copies_dropped(fp8_note)
+        self._fit_fp8_weight_copies()
+        # Measured model-state memory (weights, kept FP8 weight copies, grads, masters, states) before any activation.
+        allocate_fp8_weight_copies(self.model)
+        self.setup_memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self._iters = None
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
@@ -202,47 +202,29 @@ class Trainer:
         """--fp8-weight-cache auto on a GPU: keep the FP8 weight copies only while the step's estimated peak with
         them (planner.peak_estimate of this rank's model and optimizer) fits the memory this process can have;
         else every linear casts per use, as under `none` (2 bytes less per linear weight element, ~1-2% slower).
-        Before the first forward, so compiled layers trace the path taken. Returns the log line when it drops them."""
+        Before the first forward, so compiled layers trace the path taken. Decided per rank, reported for all
+        (report_fp8_copies_dropped). Returns this rank's log line when it drops them."""
         fp8, cfg = self.recipe.fp8, self.cfg
-        # The same answer on every rank (flags and device type): _report_fp8_copies_dropped's collective relies on it.
-        self._fp8_copies_decided = (fp8 is not None and fp8.cache_weights and cfg.precision.fp8_weight_cache == "auto"
-                                    and self.device.type == "cuda")
-        if not self._fp8_copies_decided:
+        # The same answer on every rank (flags and device type), so either all ranks reach the report's collective or none.
+        if not (fp8 is not None and fp8.cache_weights and cfg.precision.fp8_weight_cache == "auto"
+                and self.device.type == "cuda"):
             return None
         plan = live_plan(cfg, self.ctx, self.model, self.chunks, self.optimizer, self.padded_vocab,
                          self.recipe.params_dtype, self.device)
         peak = peak_estimate(plan, LIVE, cfg.precision.fp8_recipe)
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = free + torch.cuda.memory_reserved(self.device)
-        if fp8_copies_fit(peak, budget):
-            return None
-        freed = sum(c.cast_fp8_weights_per_use() for c in self.chunks)
-        self.recipe = replace(self.recipe, fp8=replace(fp8, cache_weights=False))
-        gib = 2 ** 30
-        return (f"> --fp8-weight-cache auto: FP8 weight copies not kept ({freed / gib:.2f} GiB): the step's estimated "
-                f"peak with them, {peak / gib:.2f} GiB, passes {AUTO_FP8_COPIES_SHARE:.0%} "
-                f"of the {budget / gib:.2f} GiB this process can use; each linear casts its weight per use "
-                f"(--fp8-weight-cache step keeps them anyway)")
-
-    def _report_fp8_copies_dropped(self, note: Optional[str]) -> None:
-        """The copies are decided per rank (pipeline stages hold different activations; stage 0 the most), and the
-        logging rank is the last: it says how many ranks dropped them, with its own reason or that it kept its own.
-        Collective over all ranks when the decision ran (it runs on every rank or on none: FP8, auto, GPU)."""
-        if not self._fp8_copies_decided:
-            return
-        dropped = torch.tensor([0 if note is None else 1], dtype=torch.int32, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(dropped)
-        n, world = int(dropped.item()), dist.get_world_size() if dist.is_initialized() else 1
-        if n == 0:
-            return
-        if world == 1:
-            self.logger.info(note)
-        elif note is not None:
-            self.logger.info(f"{note} [{n} of {world} ranks dropped theirs]")
-        else:
-            self.logger.info(f"> --fp8-weight-cache auto: {n} of {world} ranks do not keep their FP8 weight copies "
-                             f"(their step's estimated peak with them would not fit); this rank keeps its own")
+        note = None
+        if not fp8_copies_fit(peak, budget):
+            freed = sum(c.cast_fp8_weights_per_use() for c in self.chunks)
+            self.recipe = replace(self.recipe, fp8=replace(fp8, cache_weights=False))
+            gib = 2 ** 30
+            note = (f"> --fp8-weight-cache auto: FP8 weight copies not kept ({freed / gib:.2f} GiB): the step's "
+                    f"estimated peak with them, {peak / gib:.2f} GiB, passes {AUTO_FP8_COPIES_SHARE:.0%} of the "
+                    f"{budget / gib:.2f} GiB this process can use; each linear casts its weight per use "
+                    f"(--fp8-weight-cache step keeps them anyway)")
+        report_fp8_copies_dropped(note, self.device, self.logger.info)
+        return note
 
     # ----------------------------------------------------------------------------------- data
     def data_iterators(self):
@@ -462,6 +444,24 @@ def abort_process_group() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - we are already failing: the original error is what matters
         pass
+
+
+def report_fp8_copies_dropped(note: Optional[str], device: torch.device, log: Callable[[str], None]) -> None:
+    """The FP8 weight copies are decided per rank (pipeline stages hold different activations; stage 0 the most),
+    and the logging rank is the last: it says how many ranks dropped theirs, with its own reason or that it kept
+    its own. Collective over all ranks. `note`: this rank's line when it dropped them."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    n = int(all_reduce(torch.tensor([int(note is not None)], dtype=torch.int32, device=device), world).item())
+    size = group_size(world)
+    if n == 0:
+        return
+    if size == 1:
+        log(note)
+    elif note is not None:
+        log(f"{note} [{n} of {size} ranks dropped theirs]")
+    else:
+        log(f"> --fp8-weight-cache auto: {n} of {size} ranks do not keep their FP8 weight copies (their step's "
+            f"estimated peak with them would not fit); this rank keeps its own")
 
 
 def pretrain(cfg: MegacoatConfig, **kwargs) -> TrainState:
