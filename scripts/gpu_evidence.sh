@@ -182,7 +182,7 @@ if has coat1; then
   c1 coat_gbs32 && mc c1_coat_gbs32${C1_TAG:-} ${GBS32_ITERS:-8} $M1 --fp8-format hybrid --fp8-recipe coat --global-batch-size 32
   c1 torchao && setup_torchao && PYTHONPATH=$PYTHONPATH:/tmp/site peer p1_torchao_tensorwise${C1_TAG:-} --compile --float8 tensorwise --iters 10 --warmup 8
 fi
-if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, castperuse, fp8states, torchao), then larger
+if has coat7; then  # 7B: bf16 vs coat (C7_RUNS: base = both at micro-batch 2, castperuse, fp8states, torchao, cachestep), then larger
   # micro-batches (C7_BF16_MBS / C7_COAT_MBS, default C7_MBS=4) to find the largest each fits
   c7() { [[ " ${C7_RUNS:-base fp8states torchao} " == *" $1 "* ]]; }
   if c7 base; then mc c7_bf16 10 $M7; mc c7_coat 10 $M7 --fp8-format hybrid --fp8-recipe coat; fi
