@@ -23,6 +23,8 @@ Parts (each runs on its own: a failing part is recorded with its error and the o
 - linear: forward + dgrad + wgrad of one layer's four linears at the 1.36B (8192 tokens) and 7B (4096
   tokens) shapes: bf16 vs FP8 (the full path: quantize, GEMMs, main_grad accumulation) and FP8 GEMMs
   alone (DESIGN 5.2 anchors: 3.33 -> 1.93 ms and 6.84 -> 3.72 ms).
+- reductions: the amax and the norm backward (+ residual gradient) at the training shapes under every config
+  of AMAX_SWEEP / NORM_BWD_SWEEP: time, % of HBM, checked against the default config.
 - layer: one TransformerLayer (1.36B shape, seq 2048, micro-batch 4) forward + backward per recipe,
   eager and compiled: time and peak memory.
 """
@@ -306,6 +308,83 @@ def _sweep(x, h, amax_x, n):
         us = bench_us(lambda: KA.norm_fwd(x, None, w, None, 1e-5, True))
         out.setdefault("rmsnorm fwd", {}).setdefault("trials", []).append(dict(elems=e, time_us=round(us, 2)))
     KA.TILES.update(saved_ka)
+    return out
+
+
+AMAX_SWEEP = [(b, i, w) for b in (1024, 2048, 4096, 8192) for i in (1, 2, 4, 8) for w in (4, 8)]
+NORM_BWD_SWEEP = [(e, p, w) for e in (2048, 4096, 8192, 16384) for p in (2, 4, 8, 16) for w in (0, 4, 8, 16)]
+# (tokens, hidden) of the norms and amax passes in training: 1.36B (mbs 4), 7B (mbs 2), the issue's 16384 x 4096;
+# the amax also on the 1.36B qkv gradient (tokens x 3 * hidden).
+REDUCTION_SHAPES = [(8192, 2048), (4096, 4096), (16384, 4096)]
+AMAX_EXTRA_SHAPES = [(8192, 6144)]
+
+
+def _timed_trials(configs, apply, restore, fn, check, nbytes, budget_s, t0):
+    """Each config applied, fn timed and its output checked -> (trials, best identical or None)."""
+    res = []
+    try:
+        for cfg in configs:
+            if time.time() - t0 > budget_s:
+                res.append(dict(stopped=f"sweep budget {budget_s} s"))
+                break
+            apply(cfg)
+            try:
+                ok = check(fn())
+                us = bench_us(fn)
+                res.append(dict(config=list(cfg), time_us=round(us, 2),
+                                pct_of_hbm=round(100 * nbytes / us / 1e3 / HBM_GBS, 1), ok=ok))
+            except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
+                res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+    finally:
+        restore()
+    good = [r for r in res if "time_us" in r and r["ok"]]
+    return res, (min(good, key=lambda r: r["time_us"]) if good else None)
+
+
+def part_reductions(args):
+    """The per-tensor amax and the norm backward (with the fused residual gradient: the post-attention norm's)
+    at the training shapes, under every AMAX_SWEEP / NORM_BWD_SWEEP config: time, % of HBM and a check
+    against the default config (amax equal; dx bit for bit, dw within fp32 summation-order error). The amax
+    and the norm backward are the two kernels of the coat step furthest from the memory roofline (69% and
+    57% of HBM at 16384 x 4096, session 4)."""
+    t0 = time.time()
+    out = {}
+    shapes = [(40, 200)] if SMOKE else REDUCTION_SHAPES
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for m, k in shapes + ([] if SMOKE else AMAX_EXTRA_SHAPES):
+        x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+        want = K.amax(x)
+        default = tuple(K.TILES["amax"])
+        cfgs = [default] + [c for c in AMAX_SWEEP if c != default]
+        res, best = _timed_trials(cfgs[:3] if SMOKE else cfgs, lambda c: K.TILES.__setitem__("amax", c),
+                                  lambda: K.TILES.__setitem__("amax", default), lambda: K.amax(x),
+                                  lambda a: bool(torch.equal(a, want)), 2 * m * k, args.sweep_budget_s, t0)
+        out[f"amax {m}x{k}"] = dict(default=list(default), trials=res, best=best)
+        print(f"  amax {m}x{k}: default {res[0].get('time_us')} us -> best {best}", flush=True)
+    for m, k in shapes:
+        x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+        dres = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+        saved = KA.norm_fwd(x, None, w, None, 1e-5, True)
+
+        def run():
+            return KA.norm_bwd(dy, saved[3], saved[4], saved[5], saved[6], w, False, True, dres)
+
+        want = run()
+
+        def check(got):
+            return bool(torch.equal(got[0], want[0])) and bool(torch.allclose(got[1].float(), want[1].float(),
+                                                                               rtol=1e-2, atol=1e-2))
+
+        default = tuple(KA.TILES["norm_bwd"])
+        cfgs = [default] + [c for c in NORM_BWD_SWEEP if c != default]
+        # reads dy, dres (bf16), the saved 1x16 copy (1 byte + a bf16 scale per 16); writes dx (bf16)
+        res, best = _timed_trials(cfgs[:3] if SMOKE else cfgs, lambda c: KA.TILES.__setitem__("norm_bwd", c),
+                                  lambda: KA.TILES.__setitem__("norm_bwd", default), run, check,
+                                  7.125 * m * k, args.sweep_budget_s, t0)
+        out[f"norm_bwd+res {m}x{k}"] = dict(default=list(default), trials=res, best=best)
+        print(f"  norm bwd + residual {m}x{k}: default {res[0].get('time_us')} us -> best {best}", flush=True)
     return out
 
 
@@ -632,6 +711,8 @@ def main():
                 r = part_linear(args)
             elif part == "wgrad":
                 r = part_wgrad(args)
+            elif part == "reductions":
+                r = part_reductions(args)
             elif part == "layer":
                 r = part_layer(args, start + args.budget_s)
             else:

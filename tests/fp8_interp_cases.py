@@ -72,9 +72,10 @@ def test_quantizers(shape, fmt):
 
 
 def test_amax_many_programs():
-    per_prog = K.AMAX_BLOCK * K.AMAX_ITERS
-    x = _data((2 * per_prog + K.AMAX_BLOCK + 17,), 2)  # 3 programs, the last one partial
-    x[per_prog + 2 * K.AMAX_BLOCK + 5] = -992.0  # exact in bf16; in the middle program's third block
+    block, iters, _ = K.TILES["amax"]
+    per_prog = block * iters
+    x = _data((2 * per_prog + block + 17,), 2)  # 3 programs, the last one partial
+    x[per_prog + 2 * block + 5] = -992.0  # exact in bf16; in the middle program's third block
     assert K.amax(x).item() == 992.0
     out = torch.full((), 2000.0)  # accumulates into the given scalar (atomic max): it keeps the larger value
     assert K.amax_into(x, out).item() == 2000.0

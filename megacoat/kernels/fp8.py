@@ -16,14 +16,17 @@ from . import TraceableKernels, triton_available
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 EPS = 1e-12
+# The weight refresh's many-tensor amax (MultiCastPlan): BLOCK elements per block, ITERS blocks per program.
 AMAX_BLOCK = 4096
-AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer programs, fewer atomics
+AMAX_ITERS = 4
 # Tile sizes and warps per kernel: cast (rows, cols, num_warps); 1x16 kernels (rows, 16-groups,
 # num_warps, split: threads per group, 1 or 2; see kernels/triton/fp8_quant.py). A dict so that
 # benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use (1x16: the sweep's
 # winners on the H200, 2026-12-01 session 3 call 2).
 # cast: 128x128 tiles so that each row of the transposed copy is written 128 bytes at a time.
-TILES = {"cast": (128, 128, 8), "quantize_1x16": (4, 64, 4, 1), "dequantize_1x16": (4, 64, 4, 1)}
+# amax: (elements per block, blocks per program (unrolled: every load in flight at once), num_warps).
+TILES = {"cast": (128, 128, 8), "quantize_1x16": (4, 64, 4, 1), "dequantize_1x16": (4, 64, 4, 1),
+         "amax": (4096, 4, 8)}
 SCALE_DTYPE_1X16 = torch.bfloat16  # group scales, rounded up (see kernels/triton/fp8_quant.py)
 
 
@@ -54,9 +57,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def amax_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (a zeroed fp32 scalar) = max |x|: one launch, an atomic max per program."""
     x = x.contiguous().view(-1)
-    per_prog = AMAX_BLOCK * AMAX_ITERS
-    _k().amax_kernel[(triton_cdiv(x.numel(), per_prog),)](x, out, x.numel(), BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
-                                                          num_warps=8)
+    block, iters, warps = TILES["amax"]
+    _k().amax_kernel[(triton_cdiv(x.numel(), block * iters),)](x, out, x.numel(), BLOCK=block, ITERS=iters,
+                                                               num_warps=warps)
     return out
 
 

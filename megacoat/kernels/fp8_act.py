@@ -19,7 +19,9 @@ ACT_KIND = {"silu": 0, "gelu": 1}
 # see kernels/triton/fp8_quant.py); the norms take whole rows (see _norm_tile).
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
-         "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096}
+         "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
+         # norm backward: (elements per loop iteration, programs per SM, num_warps; 0: by the row width)
+         "norm_bwd": (4096, 4, 0)}
 
 
 @lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused
@@ -38,10 +40,13 @@ def _sm_count(device) -> int:
     return 4
 
 
-def _norm_tile(k: int):
+def _norm_tile(k: int, elems: int, warps: int = 0):
+    """(rows per tile, 16-groups per row (a power of 2), num_warps) for rows of k elements and tiles of
+    about `elems` elements (several narrow rows per tile); warps 0: by the row width."""
     bg = _pow2(triton_cdiv(k, 16))
-    br = max(1, min(16, TILES["norm_elems_per_program"] // (bg * 16)))  # several narrow rows per program
-    warps = 4 if bg * 16 <= 2048 else (8 if bg * 16 <= 8192 else 16)
+    br = max(1, min(16, elems // (bg * 16)))
+    if not warps:
+        warps = 4 if bg * 16 <= 2048 else (8 if bg * 16 <= 8192 else 16)
     return br, bg, warps
 
 
@@ -57,7 +62,7 @@ def norm_fwd(x, residual, weight, bias, eps: float, rms: bool):
     qs = torch.empty((m, g), dtype=SCALE_DTYPE_1X16, device=dev)
     rstd = torch.empty(m, dtype=torch.float32, device=dev)
     mean = torch.empty(m if not rms else 0, dtype=torch.float32, device=dev)
-    br, bg, warps = _norm_tile(k)
+    br, bg, warps = _norm_tile(k, TILES["norm_elems_per_program"])
     grid = triton_cdiv(m, br)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
     _k().norm_fwd_kernel[(grid,)](
@@ -75,8 +80,9 @@ def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=Non
     dy2 = dy.view(-1, k)
     m, g = dy2.shape[0], triton_cdiv(k, 16)
     dev = dy.device
-    br, bg, warps = _norm_tile(k)
-    progs = max(1, min(triton_cdiv(m, br), 4 * _sm_count(dev)))
+    elems, per_sm, warps = TILES["norm_bwd"]
+    br, bg, warps = _norm_tile(k, elems, warps)
+    progs = max(1, min(triton_cdiv(m, br), per_sm * _sm_count(dev)))
     rows_per_prog = triton_cdiv(triton_cdiv(m, progs), br) * br
     progs = triton_cdiv(m, rows_per_prog)
     dx = torch.empty_like(dy2)

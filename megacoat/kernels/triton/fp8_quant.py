@@ -105,10 +105,11 @@ def quantize_groups_store4(v, rows, groups, cols, mask, gmask, q_ptr, s_ptr, str
 
 @triton.jit
 def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """out (zeroed fp32 scalar) = max(out, max |x|) over ITERS blocks of BLOCK elements per program."""
+    """out (zeroed fp32 scalar) = max(out, max |x|) over ITERS blocks of BLOCK elements per program. The
+    loop is unrolled so that the ITERS loads are all issued before the first max waits for its data."""
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ITERS):
+    for i in tl.static_range(ITERS):
         offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
