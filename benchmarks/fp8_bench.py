@@ -312,7 +312,8 @@ def _sweep(x, h, amax_x, n):
 
 
 AMAX_SWEEP = [(b, i, w) for b in (1024, 2048, 4096, 8192) for i in (1, 2, 4, 8) for w in (4, 8)]
-NORM_BWD_SWEEP = [(e, p, w) for e in (2048, 4096, 8192, 16384) for p in (2, 4, 8, 16) for w in (0, 4, 8, 16)]
+# (session 12 call 1 swept elements 2048-16384 x programs per SM 2-16 x warps 0/4/8/16: 2048-4096 with 2-8 won)
+NORM_BWD_SWEEP = [(e, p, w, st) for e in (2048, 4096) for p in (2, 4, 8) for w in (0, 8, 16) for st in (1, 2)]
 # (tokens, hidden) of the norms and amax passes in training: 1.36B (mbs 4), 7B (mbs 2), the 16384 x 4096;
 # the amax also on the 1.36B qkv gradient (tokens x 3 * hidden).
 REDUCTION_SHAPES = [(8192, 2048), (4096, 4096), (16384, 4096)]
@@ -369,13 +370,17 @@ def part_reductions(args):
         saved = KA.norm_fwd(x, None, w, None, 1e-5, True)
 
         def run():
-            return KA.norm_bwd(dy, saved[3], saved[4], saved[5], saved[6], w, False, True, dres)
+            return KA.norm_bwd(dy, saved[3], saved[4], saved[5], saved[6], w, False, True, dres, want_amax=True)
 
         want = run()
 
         def check(got):
-            return bool(torch.equal(got[0], want[0])) and bool(torch.allclose(got[1].float(), want[1].float(),
-                                                                               rtol=1e-2, atol=1e-2))
+            # dx within a bf16 rounding of the default's (another tile sums the row in another order), the amax
+            # of the dx written
+            d = (got[0].float() - want[0].float()).abs()
+            return (bool((d <= 2 ** -7 * want[0].float().abs() + 1e-6).all())
+                    and bool(torch.allclose(got[1].float(), want[1].float(), rtol=1e-2, atol=1e-2))
+                    and bool(torch.equal(got[3], got[0].float().abs().amax())))
 
         default = tuple(KA.TILES["norm_bwd"])
         cfgs = [default] + [c for c in NORM_BWD_SWEEP if c != default]

@@ -135,17 +135,20 @@ def test_norm_kernels(rms, with_residual, shape):
     assert_interpreted_fp8_close(xq, q_ref)
     # backward from identical saved tensors
     dy = _data(shape, 7)
-    dx, dw, db = KA.norm_bwd(dy, xq, xs, rstd, mean, w, b is not None, rms)
-    dx_r, dw_r, db_r = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms)
+    dx, dw, db, none = KA.norm_bwd(dy, xq, xs, rstd, mean, w, b is not None, rms)
+    dx_r, dw_r, db_r, _ = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms)
+    assert none.numel() == 0  # no amax unless asked
     _bf16_close(dx, dx_r, extra=1e-3 * dx_r.abs().max().item())
     _bf16_close(dw, dw_r, extra=1e-3 * dw_r.abs().max().item())
     if b is not None:
         _bf16_close(db, db_r, extra=1e-3 * db_r.abs().max().item())
     if with_residual:  # the residual stream's gradient added inside the kernel
         dres = _data(shape, 9)
-        dx, _, _ = KA.norm_bwd(dy, xq, xs, rstd, mean, w, b is not None, rms, dres)
-        dx_r, _, _ = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms, dres)
+        dx, _, _, amax = KA.norm_bwd(dy, xq, xs, rstd, mean, w, b is not None, rms, dres, want_amax=True)
+        dx_r, _, _, _ = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms, dres)
         _bf16_close(dx, dx_r, extra=1e-3 * dx_r.abs().max().item())
+        # the amax of dx as the kernel wrote it (masked lanes excluded: LayerNorm's dx is not 0 there)
+        assert amax.item() == dx.float().abs().max().item()
 
 
 @pytest.mark.parametrize("shape", [(37, 80), (2, 3, 2 * 24)])

@@ -63,7 +63,7 @@ def test_norm_backward_reference_vs_float64_autograd(rms):
     w, b = _data((k,), 6), (None if rms else _data((k,), 7))
     _, y, _, xq, xs, rstd, mean = A.norm_fwd_reference(x, None, w, b, 1e-5, rms)
     dy = _data(shape, 8)
-    dx, dw, db = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms)
+    dx, dw, db, _ = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, b is not None, rms)
     # float64 autograd on the input the backward sees (the dequantized FP8 copy), with its rstd
     xd = fp8.dequantize_1x16(xq, xs, torch.float64).requires_grad_(True)
     w64 = w.double().requires_grad_(True)
@@ -87,7 +87,8 @@ def test_norm_backward_reference_adds_the_residual_gradient_before_rounding():
     _, _, _, xq, xs, rstd, mean = A.norm_fwd_reference(x, None, w, None, 1e-5, True)
     dy, dres = _data(shape, 8), _data(shape, 9)
     alone = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, False, True)
-    fused = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, False, True, dres=dres)
+    fused = A.norm_bwd_reference(dy, xq, xs, rstd, mean, w, False, True, dres=dres, want_amax=True)
+    assert alone[3].numel() == 0 and fused[3].item() == fused[0].float().abs().max().item()
     assert torch.equal(fused[1], alone[1])  # the weight gradient does not see the residual's gradient
     # dx: the float64 norm gradient plus dres, rounded once (the unfused form rounds twice)
     xd = fp8.dequantize_1x16(xq, xs, torch.float64).requires_grad_(True)
@@ -148,7 +149,8 @@ def test_autograd_paths_and_saved_tensors():
     (y.float().pow(2).sum() + stream.float().sum()).backward()
     # same gradients as the reference backward plus the stream's own gradient
     _, _, _, xq, xs, rstd, mean = A.norm_fwd_reference(x.detach(), r.detach(), w.detach(), None, 1e-5, True)
-    dx, dw, _ = A.norm_bwd_reference((2 * y.float()).to(torch.bfloat16), xq, xs, rstd, mean, w.detach(), False, True)
+    dx, dw, _, _ = A.norm_bwd_reference((2 * y.float()).to(torch.bfloat16), xq, xs, rstd, mean, w.detach(), False,
+                                        True)
     assert torch.allclose(x.grad.float(), (dx.float() + 1).to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(x.grad, r.grad)
     assert torch.allclose(w.grad.float(), dw.float(), rtol=1e-2, atol=1e-2)

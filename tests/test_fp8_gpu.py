@@ -216,9 +216,10 @@ def test_norm_kernels(rms, with_residual, shape):
         assert_ulps(got[2], exp[2], ulps=2, extra=1e-3 * exp[2].float().abs().max().item(), what="dbias")
     if with_residual:  # the residual stream's gradient added inside the kernel
         dres = _data(shape, 8)
-        got = KA.norm_bwd(dy, ref[3], ref[4], ref[5], ref[6], w, b is not None, rms, dres)
+        got = KA.norm_bwd(dy, ref[3], ref[4], ref[5], ref[6], w, b is not None, rms, dres, want_amax=True)
         exp = A.norm_bwd_reference(dy, ref[3], ref[4], ref[5], ref[6], w, b is not None, rms, dres)
         assert_ulps(got[0], exp[0], extra=1e-3 * exp[0].float().abs().max().item(), what="dx with the residual's gradient")
+        assert_same(got[3], got[0].float().abs().amax(), "amax of the emitted dx")
 
 
 @pytest.mark.parametrize("shape", [(37, 2 * 40), (256, 2 * 5632), (3, 7, 2 * 24)])

@@ -211,3 +211,51 @@ def test_fused_swiglu_equals_linear_then_swiglu(shape):
         fp8_linear(x0, w0, None, Fp8WeightCache("e4m3"), TENSORWISE, activation="swiglu")
     with pytest.raises(ValueError, match="unknown fused activation"):
         fp8_linear(x0, w0, None, Fp8WeightCache("e4m3"), COAT, activation="gelu")
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_grad_amax_token_gives_the_same_numbers_as_the_amax_pass(rms):
+    """A row-parallel-style FP8 linear whose output goes into a norm with the fused residual: with the token,
+    the norm's backward hands the linear max |dy| (its kernel's amax of the dx it wrote) instead of the linear
+    reducing dy again. Identical outputs and gradients (max is exact, so the E5M2 codes are the same); an
+    unused token's gradient never comes and the linear falls back to its own amax pass."""
+    from megacoat.precision.activations import fp8_norm
+    s, b, k, n = 5, 3, 48, 40
+    x0, r0 = _data((s, b, k), 40), _data((s, b, n), 41, scale=4.0)
+    w0, nw0 = _data((n, k), 42, scale=0.05), 1 + 0.1 * _data((n,), 43)
+    nb0 = None if rms else _data((n,), 44)
+    gs, gy = _data((s, b, n), 45), _data((s, b, n), 46)
+    runs = []
+    for mode in ("pass", "token", "unused token"):
+        x, r, w, nw = (t.clone().requires_grad_(True) for t in (x0, r0, w0, nw0))
+        if mode == "pass":
+            h, token = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), COAT), None
+        else:
+            h, token = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), COAT, grad_amax_token=True)
+            assert token.shape == () and token.dtype == torch.float32
+        stream, y, _ = fp8_norm(h, nw, nb0, 1e-5, rms, residual=r,
+                                grad_amax_token=token if mode == "token" else None)
+        torch.autograd.backward((stream, y), (gs, gy))
+        runs.append((stream.detach(), y.detach(), x.grad, w.grad, r.grad, nw.grad))
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            assert torch.equal(a, b_)
+    with pytest.raises(ValueError, match="fused residual"):
+        fp8_norm(x0[..., :n].clone(), nw0, None, 1e-5, True, grad_amax_token=torch.zeros(()))
+    with pytest.raises(ValueError, match="grad_amax_token"):
+        fp8_linear(x0, torch.cat([w0, w0]), None, Fp8WeightCache("e4m3"), COAT, activation="swiglu",
+                   grad_amax_token=True)
+
+
+def test_grad_amax_token_amax_is_the_one_the_cast_uses():
+    """The token's gradient is exactly max |dy| of the gradient the linear casts: a wrong one would saturate
+    (too small) or waste range (too large). Checked by handing the linear a hand-made token gradient."""
+    x = _data((6, 32), 50).requires_grad_(True)
+    w = _data((16, 32), 51, scale=0.05).requires_grad_(True)
+    g = _data((6, 16), 52)
+    y, token = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), COAT, grad_amax_token=True)
+    dx_tok, = torch.autograd.grad((y, token), (x,), (g, g.float().abs().amax() / 64), retain_graph=True)
+    dx_ref, = torch.autograd.grad(y, x, g, retain_graph=True)
+    assert not torch.equal(dx_tok, dx_ref)  # the handed amax is used: 1/64 of the true one saturates
+    dx_same, = torch.autograd.grad((y, token), (x,), (g, g.float().abs().amax()))
+    assert torch.equal(dx_same, dx_ref)

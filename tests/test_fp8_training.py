@@ -25,6 +25,11 @@ STEPS = 32
 # Largest per-step |loss - fp32 loss| allowed over STEPS steps. Observed (h 64, 2 layers, seq 32):
 # coat 0.010, tensorwise 0.009, plain bf16 0.002; a broken quantizer or backward drifts by > 0.1.
 GAP = 0.04
+# GPT-2 style under coat (LayerNorm, GELU, biases): 0.038 with each layer's last residual add separate, 0.044 with
+# it fused into the next layer's norm (one rounding of the residual gradient instead of two: one step's gradients
+# are then slightly closer to fp32's, 0.107 vs 0.109 worst relative error; the 32-step trajectories differ as
+# any two FP8 roundings do).
+GPT2_GAP = 0.06
 
 
 GPT2 = dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
@@ -62,7 +67,7 @@ def test_gpt2_style_under_coat_tracks_fp32():
     got = _train(torch.bfloat16, Fp8Recipe(), **GPT2)
     assert ref[-1] < ref[0] - 1.0
     gap = max(abs(a - b) for a, b in zip(ref, got))
-    assert gap < GAP, (gap, ref[-1], got[-1])
+    assert gap < GPT2_GAP, (gap, ref[-1], got[-1])
 
 
 def _losses(path):
@@ -159,6 +164,86 @@ def _compiled_layer_equals_eager(rank, world, tp, sp):
             outs.append((y.detach(), x.grad.clone(), layer.mlp.fc1.weight.main_grad.clone()))
         for a, b in zip(*outs):
             assert torch.equal(a, b), recipe.name
+
+
+def _coat_model(defer: bool, dtype=torch.bfloat16, fp8=Fp8Recipe(), recompute=None, **arch):
+    from megacoat.model.recompute import RecomputePlan
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=3, ffn_hidden_size=176,
+                           **arch)
+    rng = seed_everything(5, 0, torch.device("cpu"))
+    model = GPTModel(m, LayerContext(None, False, rng, dtype, torch.device("cpu"), 5, fp8=fp8), VOCAB,
+                     padded_vocab_size(VOCAB, 8, 1))
+    if not defer:
+        for layer in model.layers:
+            layer.defer_residual = False
+    if recompute is not None:
+        model.recompute_plan = RecomputePlan("full", *recompute)
+    return model
+
+
+def _loss_and_grads(model):
+    b = batches(0, 1, 4, 32)[0]
+    loss = model(b["tokens"], b["position_ids"], labels=b["labels"]).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst_rel(a, b):
+    return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+
+
+@pytest.mark.parametrize("arch", [{}, GPT2], ids=["llama", "gpt2"])
+def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
+    """Under coat every layer but a chunk's last returns (stream, fc2 output, fc2's token) un-added: the next
+    layer's input norm adds them in its kernel (and its backward adds the two residual gradients in fp32 and
+    hands fc2 their amax). The forward is bit-identical to adding first; the gradients differ only by the
+    residual gradient's rounding (one instead of two) and are as close to fp32's; a recomputed group adds its
+    input first (it keeps one bf16 tensor), so recomputing every layer gives exactly the non-deferred numbers."""
+    from megacoat.model.transformer import TransformerLayer
+    deferred = _coat_model(True, **arch)
+    assert [layer.defer_residual for layer in deferred.layers] == [True, True, False]
+    assert not TransformerLayer(deferred.m, deferred.layers[0].lc, 0).defer_residual  # standalone: a tensor
+    loss_d, g_d = _loss_and_grads(deferred)
+    loss_n, g_n = _loss_and_grads(_coat_model(False, **arch))
+    _, g_ref = _loss_and_grads(_coat_model(False, torch.float32, None, **arch))
+    assert torch.equal(loss_d, loss_n)
+    assert _worst_rel(g_d, g_n) < 0.15  # observed 0.05-0.07 (FP8 rounding of slightly different gradients)
+    assert _worst_rel(g_d, g_ref) <= 1.05 * _worst_rel(g_n, g_ref)  # observed 0.113 vs 0.116, 0.107 vs 0.109
+    loss_r, g_r = _loss_and_grads(_coat_model(True, recompute=("uniform", 1), **arch))
+    assert torch.equal(loss_r, loss_n) and all(torch.equal(g_r[n], g_n[n]) for n in g_n)
+    loss_r2, g_r2 = _loss_and_grads(_coat_model(True, recompute=("uniform", 3), **arch))  # one group: deferred inside
+    assert torch.equal(loss_r2, loss_d) and all(torch.equal(g_r2[n], g_d[n]) for n in g_d)
+
+
+def test_compiled_deferred_coat_layers_equal_eager():
+    """Two coat layers compiled one by one (as the model compiles them), the first deferring its residual add:
+    the (stream, branch, token) triple crosses the compiled graphs and the token's gradient comes back through
+    them; no graph break, bit-identical to eager (aot_eager)."""
+    from megacoat.model.rope import RotaryEmbedding
+    from megacoat.model.transformer import TransformerLayer
+    from megacoat.precision.linear import refresh_fp8_weights
+
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176)
+    rng = seed_everything(3, 0, torch.device("cpu"))
+    lc = LayerContext(None, False, rng, torch.bfloat16, torch.device("cpu"), 3, fp8=Fp8Recipe())
+    layers = [TransformerLayer(m, lc, i) for i in range(2)]
+    layers[0].defer_residual = True
+    for layer in layers:
+        refresh_fp8_weights(layer)
+    rope = RotaryEmbedding(m.kv_channels, 32, m.rotary_base)(torch.arange(32).unsqueeze(0), torch.bfloat16)
+    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).requires_grad_(True)
+    outs = []
+    for fns in (layers, [torch.compile(layer, backend="aot_eager", fullgraph=True) for layer in layers]):
+        x.grad = None
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        mid = fns[0](x, rope)
+        assert isinstance(mid, tuple) and len(mid) == 3 and mid[2].shape == ()
+        y = fns[1](mid, rope)
+        y.float().pow(2).sum().backward()
+        outs.append((y.detach(), x.grad.clone(), *(p.grad.clone() for layer in layers for p in layer.parameters())))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 def test_compiled_fp8_layer_fullgraph_equals_eager():

@@ -20,8 +20,9 @@ ACT_KIND = {"silu": 0, "gelu": 1}
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
          "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
-         # norm backward: (elements per loop iteration, programs per SM, num_warps; 0: by the row width)
-         "norm_bwd": (4096, 4, 0)}
+         # norm backward: (elements per loop iteration, programs per SM, num_warps (0: by the row width),
+         # software-pipeline stages of the row loop)
+         "norm_bwd": (4096, 4, 0, 1)}
 
 
 @lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused
@@ -75,12 +76,13 @@ def norm_fwd(x, residual, weight, bias, eps: float, rms: bool):
             q.view(x.shape), qs.view(*lead, g), rstd.view(lead), mean.view(lead) if not rms else mean)
 
 
-def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=None):
+def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=None, want_amax: bool = False):
+    """-> (dx, dweight, dbias or empty, max |dx| (0-d fp32) or empty)."""
     k = dy.shape[-1]
     dy2 = dy.view(-1, k)
     m, g = dy2.shape[0], triton_cdiv(k, 16)
     dev = dy.device
-    elems, per_sm, warps = TILES["norm_bwd"]
+    elems, per_sm, warps, stages = TILES["norm_bwd"]
     br, bg, warps = _norm_tile(k, elems, warps)
     progs = max(1, min(triton_cdiv(m, br), per_sm * _sm_count(dev)))
     rows_per_prog = triton_cdiv(triton_cdiv(m, progs), br) * br
@@ -88,13 +90,15 @@ def norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias: bool, rms: bool, dres=Non
     dx = torch.empty_like(dy2)
     dw = torch.empty((progs, k), dtype=torch.float32, device=dev)
     db = torch.empty((progs, k) if has_bias else (0,), dtype=torch.float32, device=dev)
+    amax = torch.zeros((), dtype=torch.float32, device=dev) if want_amax else torch.empty(0, device=dev)
     _k().norm_bwd_kernel[(progs,)](
         dy2, xq.contiguous().view(-1, k), xs.contiguous().view(-1, g), rstd.contiguous().view(-1),
         mean.contiguous().view(-1) if not rms else rstd, weight,
-        dres.contiguous().view(-1, k) if dres is not None else dy2, dx, dw, db if has_bias else dw, m, k, g,
-        rows_per_prog, RMS=rms, HAS_BIAS=has_bias, HAS_RES=dres is not None, BR=br, BG=bg, num_warps=warps)
+        dres.contiguous().view(-1, k) if dres is not None else dy2, dx, dw, db if has_bias else dw,
+        amax if want_amax else dw, m, k, g, rows_per_prog, RMS=rms, HAS_BIAS=has_bias, HAS_RES=dres is not None,
+        AMAX=want_amax, BR=br, BG=bg, STAGES=stages, num_warps=warps)
     return (dx.view(dy.shape), dw.sum(0).to(weight.dtype),
-            db.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0))
+            db.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0), amax)
 
 
 def _ew_grid(name: str, m: int, g: int):

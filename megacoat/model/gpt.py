@@ -67,6 +67,9 @@ class GPTModel(nn.Module):
         else:
             self.rope = RotaryEmbedding(m.kv_channels, m.max_position_embeddings, m.rotary_base, device=lc.device)
         self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in self.layer_numbers)
+        if lc.coat:  # each layer's last residual add goes into the next layer's input norm (its kernel adds it)
+            for layer in list(self.layers)[:-1]:
+                layer.defer_residual = True
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(m, lc, "final_norm")
@@ -99,14 +102,21 @@ class GPTModel(nn.Module):
         if self.pre_module_hook is not None:
             self.pre_module_hook(module)
 
-    def _before_backward(self, x: torch.Tensor, *modules: nn.Module) -> torch.Tensor:
+    def _before_backward(self, x, *modules: nn.Module):
         """Have `pre_backward_hook(modules)` run just before the backward of the node that produced x (the
         optimizer allocates the gradient storage of these modules' parameters there). A hook on the
         autograd node, not an identity function: x stays the same tensor, so the pipeline can still free
-        its data after sending it."""
+        its data after sending it. x may be a coat layer's deferred (stream, branch, token): every node that
+        made one of them gets the hook (whichever runs first allocates; the allocation is idempotent)."""
         hook = self.pre_backward_hook
-        if hook is not None and torch.is_grad_enabled() and x.grad_fn is not None:
-            x.grad_fn.register_prehook(lambda grad_outputs: hook(modules))
+        if hook is None or not torch.is_grad_enabled():
+            return x
+        nodes = {}
+        for t in (x if isinstance(x, tuple) else (x,)):
+            if t is not None and t.grad_fn is not None:
+                nodes[id(t.grad_fn)] = t.grad_fn
+        for node in nodes.values():
+            node.register_prehook(lambda grad_outputs: hook(modules))
         return x
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -145,6 +155,8 @@ class GPTModel(nn.Module):
         plan = self.recompute_plan or RecomputePlan("none")
         index = 0  # of the layer in self.layers (groups come in order)
         for recomputed, group in plan.layer_groups(self.layers):
+            if recomputed and isinstance(x, tuple):
+                x = _add_deferred_residual(x)  # a recomputed group keeps one bf16 input (the planner counts it)
             for layer in group:
                 self._before(layer)
                 if self._fp8_refreshers is not None:
@@ -154,6 +166,8 @@ class GPTModel(nn.Module):
                 index += 1
             x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
                                                       self.lc.rng), *group)
+        if isinstance(x, tuple):  # (not reached: a chunk's last layer adds its residual itself)
+            x = _add_deferred_residual(x)
         if not self.post_process:
             return x
         if self.tied and not self.pre_process:
@@ -174,3 +188,10 @@ class GPTModel(nn.Module):
         """Parameters of the full model (all TP shards; padded vocabulary)."""
         tp = group_size(self.lc.tp_group)
         return sum(p.numel() * (tp if p.tensor_model_parallel else 1) for p in self.parameters())
+
+
+def _add_deferred_residual(x):
+    """A coat layer's deferred (stream, branch, token) -> stream + branch (the token's gradient then never comes:
+    the branch's FP8 linear makes its own amax pass)."""
+    stream, branch, _ = x
+    return stream + branch

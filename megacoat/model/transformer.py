@@ -65,9 +65,11 @@ class Norm(nn.Module):
         if lc.sequence_parallel:
             mark_sequence_parallel(self)
 
-    def fp8_forward(self, x, residual=None):
-        """COAT's fused norm: (stream = x (+ residual), y, amax of y); saves the stream as FP8 1x16."""
-        return fp8_norm(x, self.weight, self.bias, self.eps, self.kind == "RMSNorm", residual=residual)
+    def fp8_forward(self, x, residual=None, grad_amax_token=None):
+        """COAT's fused norm: (stream = x (+ residual), y, amax of y); saves the stream as FP8 1x16.
+        `grad_amax_token`: the token of the FP8 linear that produced x (see `fp8_norm`)."""
+        return fp8_norm(x, self.weight, self.bias, self.eps, self.kind == "RMSNorm", residual=residual,
+                        grad_amax_token=grad_amax_token)
 
     def forward(self, x):
         if self.kind == "RMSNorm":
@@ -110,7 +112,8 @@ class SelfAttention(nn.Module):
                                       linear_impl=lc.linear_impl())
         self.recompute_core = False  # --recompute-granularity selective (set by the trainer)
 
-    def forward(self, x, rope, attention_mask, x_amax=None):
+    def forward(self, x, rope, attention_mask, x_amax=None, grad_amax_token=False):
+        """`grad_amax_token=True`: returns (output, the projection's token or None) (RowParallelLinear)."""
         s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
         qkv = self.qkv(x, x_amax=x_amax).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
         if self.recompute_core and self.training and torch.is_grad_enabled():
@@ -118,7 +121,7 @@ class SelfAttention(nn.Module):
             o = recompute(lambda t: self._core(t, rope, attention_mask), qkv, rng=self.lc.rng)
         else:
             o = self._core(qkv, rope, attention_mask)
-        return self.proj(o)
+        return self.proj(o, grad_amax_token=grad_amax_token)
 
     def _core(self, qkv, rope, attention_mask):
         """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]."""
@@ -165,7 +168,8 @@ class MLP(nn.Module):
                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
                                      linear_impl=lc.linear_impl())
 
-    def forward(self, x, x_amax=None):
+    def forward(self, x, x_amax=None, grad_amax_token=False):
+        """`grad_amax_token=True` (coat): returns (output, fc2's token or None) (RowParallelLinear)."""
         if self.lc.coat:
             # Fused FP8 activations: save FP8 1x16 copies, hand fc2 the product and its amax. The SwiGLU
             # runs inside fc1's autograd node, which then gets its output gradient's amax for free.
@@ -173,7 +177,7 @@ class MLP(nn.Module):
                 p, p_amax = self.fc1(x, x_amax=x_amax, activation="swiglu")
             else:
                 p, p_amax = fp8_activation(self.fc1(x, x_amax=x_amax), "gelu")
-            return self.fc2(p, x_amax=p_amax)
+            return self.fc2(p, x_amax=p_amax, grad_amax_token=grad_amax_token)
         h = self.fc1(x, x_amax=x_amax)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -192,6 +196,9 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(m, lc, f"{name}.attention", layer_number)
         self.post_attention_norm = Norm(m, lc, f"{name}.post_attention_norm")
         self.mlp = MLP(m, lc, f"{name}.mlp")
+        # coat: return (stream, mlp output, fc2's token) un-added, for the next layer's input norm to add in its
+        # kernel (set by the model for every layer but the last of its chunk).
+        self.defer_residual = False
 
     def _residual_dropout(self, h, residual):
         if self.training and self.hidden_dropout > 0:
@@ -207,13 +214,31 @@ class TransformerLayer(nn.Module):
 
     def _forward_coat(self, x, rope, attention_mask):
         """COAT: the norms save FP8 1x16 copies of the residual stream, emit their output with its amax
-        for the FP8 GEMM; the residual add before the second norm is fused into it."""
-        _, y, y_amax = self.input_norm.fp8_forward(x)
-        h = self._dropout(self.attention(y, rope, attention_mask, x_amax=y_amax))
-        x, y, y_amax = self.post_attention_norm.fp8_forward(h, residual=x)
+        for the FP8 GEMM; the residual adds are fused into them (the first norm's when the previous layer
+        deferred its add: x is then (stream, branch, token)). Without dropout, each residual branch's FP8
+        linear (projection, fc2) hands its token to the norm that adds its output, whose backward returns the
+        amax of that linear's output gradient: no amax pass for either."""
+        tokens = self.hidden_dropout == 0
+        if isinstance(x, tuple):
+            stream, branch, token = x
+            x, y, y_amax = self.input_norm.fp8_forward(branch, residual=stream, grad_amax_token=token)
+        else:
+            _, y, y_amax = self.input_norm.fp8_forward(x)
+        h, token = self._branch(self.attention(y, rope, attention_mask, x_amax=y_amax, grad_amax_token=tokens),
+                                tokens)
+        x, y, y_amax = self.post_attention_norm.fp8_forward(h, residual=x, grad_amax_token=token)
+        if self.defer_residual:
+            h, token = self._branch(self.mlp(y, x_amax=y_amax, grad_amax_token=tokens), tokens)
+            return x, h, token
         return x + self._dropout(self.mlp(y, x_amax=y_amax))
 
+    def _branch(self, out, tokens: bool):
+        """A residual branch's (output, token or None), dropout applied (no token then)."""
+        return out if tokens else (self._dropout(out), None)
+
     def forward(self, x, rope=None, attention_mask=None):
+        """x: [s, b, h], or under coat the previous layer's deferred (stream, branch, token). Returns [s, b, h],
+        or that triple when `defer_residual`."""
         if self.lc.coat:
             return self._forward_coat(x, rope, attention_mask)
         x = self._residual_dropout(self.attention(self.input_norm(x), rope, attention_mask), x)

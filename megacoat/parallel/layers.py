@@ -233,13 +233,22 @@ class RowParallelLinear(nn.Module):
 
     _set_linear_impl = _set_linear_impl
 
-    def forward(self, x: torch.Tensor, x_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes)."""
+    def forward(self, x: torch.Tensor, x_amax: Optional[torch.Tensor] = None, grad_amax_token: bool = False):
+        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes).
+        `grad_amax_token=True`: returns (y, token or None): the FP8 linear's token (see `fp8_linear`), whose
+        gradient is max |dy|. None where that cannot hold: no FP8 linear, or under SP (the GEMM's output
+        gradient is then gathered over TP: its amax is not the one the local consumer sees)."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
             x_amax = None
+        token = None
         if self.linear_impl is not None:
-            y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad)
+            if grad_amax_token and not self.sequence_parallel:
+                # Without SP the reduction's backward is the identity: every rank's GEMM gets the full dy.
+                y, token = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax,
+                                            fuse_wgrad=self.fuse_wgrad, grad_amax_token=True)
+            else:
+                y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad)
         else:
             y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
         if self.sequence_parallel:
@@ -248,7 +257,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tp_region(y, self.tp_group)
         if self.bias is not None:
             y = y + self.bias
-        return y
+        return (y, token) if grad_amax_token else y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -71,9 +71,10 @@ def norm_fwd_reference(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
 def norm_bwd_reference(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor,
                        mean: torch.Tensor, weight: torch.Tensor, has_bias: bool, rms: bool,
-                       dres: Optional[torch.Tensor] = None):
-    """-> (dx, dweight, dbias or empty), from the saved FP8 copy of the input. `dres`: the residual
-    stream's own gradient, added to dx in fp32 before its one rounding (the fused residual add)."""
+                       dres: Optional[torch.Tensor] = None, want_amax: bool = False):
+    """-> (dx, dweight, dbias or empty, max |dx| or empty), from the saved FP8 copy of the input. `dres`: the
+    residual stream's own gradient, added to dx in fp32 before its one rounding (the fused residual add).
+    `want_amax`: also the amax of dx as rounded (what the FP8 linear that produced the norm's input casts)."""
     k = dy.shape[-1]
     x = dequantize_1x16_reference(xq, xs, torch.float32)
     centred = x if rms else x - mean.unsqueeze(-1)
@@ -90,7 +91,8 @@ def norm_bwd_reference(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rst
     g2, xh2 = g.reshape(-1, k), xhat.reshape(-1, k)
     dw = (g2 * xh2).sum(0).to(weight.dtype)
     db = g2.sum(0).to(weight.dtype) if has_bias else _empty(dy, weight.dtype)
-    return dx.to(dy.dtype), dw, db
+    dx = dx.to(dy.dtype)
+    return dx, dw, db, (_amax_of(dx) if want_amax else _empty(dy))
 
 
 def _split_gate_up(h: torch.Tensor):
@@ -195,28 +197,30 @@ def _(x, residual, weight, bias, eps, rms):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-                   weight: torch.Tensor, has_bias: bool, rms: bool,
-                   dres: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   weight: torch.Tensor, has_bias: bool, rms: bool, dres: Optional[torch.Tensor],
+                   want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernel_ok(dy, xq, xs, rstd, weight, dres):
-        return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms, dres)
-    return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
+        return act_kernels.norm_bwd(dy.contiguous(), xq, xs, rstd, mean, weight, has_bias, rms, dres, want_amax)
+    return norm_bwd_reference(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres, want_amax)
 
 
 @torch.library.triton_op("megacoat::fp8_norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, mean: torch.Tensor,
-                 weight: torch.Tensor, has_bias: bool, rms: bool,
-                 dres: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
+                 weight: torch.Tensor, has_bias: bool, rms: bool, dres: Optional[torch.Tensor],
+                 want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_bwd_impl(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres, want_amax)
 
 
-def _norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres=None):
+def _norm_bwd(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres=None, want_amax=False):
     """Eager: the implementation itself (no custom-op dispatch cost); compiled: the opaque op."""
-    return (_norm_bwd_op if is_compiling() else _norm_bwd_impl)(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres)
+    return (_norm_bwd_op if is_compiling() else _norm_bwd_impl)(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres,
+                                                                 want_amax)
 
 
 @_norm_bwd_op.register_fake
-def _(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres):
-    return dy.new_empty(dy.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else (0,))
+def _(dy, xq, xs, rstd, mean, weight, has_bias, rms, dres, want_amax):
+    return (dy.new_empty(dy.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else (0,)),
+            dy.new_empty(() if want_amax else (0,), dtype=torch.float32))
 
 
 def _swiglu_fwd_impl(h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,10 +318,11 @@ def _(dy, hq, hs, kind):
 # ----------------------------------------------------------------------------- autograd
 class _Fp8Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms):
+    def forward(ctx, x, residual, weight, bias, eps, rms, grad_amax_token):
         stream, y, amax, xq, xs, rstd, mean = _norm_fwd(x, residual, weight, bias, eps, rms)
         ctx.save_for_backward(xq, xs, rstd, mean, weight)
         ctx.rms, ctx.has_bias, ctx.has_residual = rms, bias is not None, residual is not None
+        ctx.has_token = grad_amax_token is not None
         ctx.mark_non_differentiable(amax)
         ctx.set_materialize_grads(False)
         return stream, y, amax
@@ -329,18 +334,27 @@ class _Fp8Norm(torch.autograd.Function):
             g_y = torch.zeros(xq.shape, dtype=weight.dtype, device=xq.device)
         # The stream's own gradient joins dx inside the kernel (fp32 add, one rounding).
         dres = g_stream if ctx.has_residual else None
-        dx, dw, db = _norm_bwd(g_y, xq, xs, rstd, mean, weight, ctx.has_bias, ctx.rms, dres)
-        return dx, (dx if ctx.has_residual else None), dw, (db if ctx.has_bias else None), None, None
+        dx, dw, db, dx_amax = _norm_bwd(g_y, xq, xs, rstd, mean, weight, ctx.has_bias, ctx.rms, dres, ctx.has_token)
+        # The token's "gradient" is max |dx|: the FP8 linear that made x receives it with x's gradient.
+        return (dx, (dx if ctx.has_residual else None), dw, (db if ctx.has_bias else None), None, None,
+                (dx_amax if ctx.has_token else None))
 
 
 def fp8_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool,
-             residual: Optional[torch.Tensor] = None):
-    """-> (stream, y, y_amax). `stream` is `x + residual` (or `x` itself without a residual)."""
+             residual: Optional[torch.Tensor] = None, grad_amax_token: Optional[torch.Tensor] = None):
+    """-> (stream, y, y_amax). `stream` is `x + residual` (or `x` itself without a residual).
+
+    `grad_amax_token`: the token an FP8 linear returned with `x` (`fp8_linear(..., grad_amax_token=True)`): the
+    norm's backward returns max |dx| as the token's gradient, so that linear casts dx without an amax pass. Only
+    when dx is exactly the gradient of that linear's output (x goes nowhere else: no dropout in between)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"norm weight of size {weight.shape[-1]} does not match the hidden size {x.shape[-1]}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from the input's {tuple(x.shape)}")
-    stream, y, amax = _Fp8Norm.apply(x, residual, weight, bias, float(eps), bool(rms))
+    if grad_amax_token is not None and residual is None:
+        # Without the fused residual, x's gradient is dx plus whatever x's other users give it.
+        raise ValueError("fp8_norm's grad_amax_token needs the fused residual (x must have no other user)")
+    stream, y, amax = _Fp8Norm.apply(x, residual, weight, bias, float(eps), bool(rms), grad_amax_token)
     return (stream if residual is not None else x), y, amax
 
 

@@ -215,6 +215,7 @@ class _Opts:
     has_main_grad: bool
     hw_gemm: bool            # the device has FP8 GEMMs (decided outside compiled code)
     activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
+    grad_amax_token: bool = False  # also return a token whose gradient is max |output gradient| (see fp8_linear)
 
 
 # torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).
@@ -270,13 +271,21 @@ class _Fp8LinearFn(torch.autograd.Function):
         if opts.activation is not None:
             ctx.mark_non_differentiable(y_amax)
             return y.view(*lead, y.shape[-1]), y_amax
+        if opts.grad_amax_token:
+            # Never read: its gradient, from the consumer's backward, is the amax of this output's gradient. Not
+            # materialized: an unused token's gradient must arrive as None (-> the amax pass), never as zeros.
+            ctx.set_materialize_grads(False)
+            return y.view(*lead, y.shape[-1]), torch.empty((), dtype=torch.float32, device=y.device)
         return y.view(*lead, y.shape[-1])
 
     @staticmethod
-    def backward(ctx, g, *_g_amax):
+    def backward(ctx, g, *extra):
         opts = ctx.opts
         x_saved, sx, x_amax, wqt, w_scale, w_amax, hq, hs = ctx.saved_tensors
-        g_amax = None
+        # The token's gradient: max |g|, computed by the consumer that produced g (None: not given).
+        g_amax = extra[0] if opts.grad_amax_token else None
+        if g is None:  # (only without materialized gradients) the output was not used
+            return (None,) * 10
         if opts.activation == "swiglu":
             g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
@@ -303,13 +312,20 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
                recipe: Fp8Recipe, x_amax: Optional[torch.Tensor] = None, sp_group=None,
-               fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None, activation: Optional[str] = None):
+               fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None, activation: Optional[str] = None,
+               grad_amax_token: bool = False):
     """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
     `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8).
     `activation="swiglu"` (coat): returns (silu(gate) * up of y = [gate; up], its amax) through the fused
-    FP8 SwiGLU, whose backward gives this linear its output gradient's amax."""
+    FP8 SwiGLU, whose backward gives this linear its output gradient's amax.
+    `grad_amax_token=True`: returns (y, token). Hand the token to the one consumer of y that computes y's whole
+    gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`): its backward returns max |dy| as the token's
+    gradient, and this linear's backward casts dy with it instead of an amax pass of its own. A token whose
+    gradient never comes (None) falls back to that pass."""
     if activation not in (None, "swiglu"):
         raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
+    if grad_amax_token and activation is not None:
+        raise ValueError("the FP8 linear's grad_amax_token is for a plain output; the fused SwiGLU gives its own amax")
     if activation is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 linear's fused SwiGLU saves FP8 activations: it belongs to the coat recipe")
     if not fp8.is_compiling() and cache.needs_refresh(weight):  # compiled callers refresh beforehand
@@ -322,7 +338,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             and torch.is_grad_enabled())
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
-    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm, activation)
+    opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm, activation,
+                 grad_amax_token)
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
                               main_grad if fuse else None, overwrite if fuse else None, opts)
 
@@ -348,9 +365,11 @@ class Fp8LinearImpl:
             return False
         return not torch.compiler.is_compiling() or _FP8_GATHER_COMPILES
 
-    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False, activation=None):
+    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False, activation=None,
+                 grad_amax_token=False):
         return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
-                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation)
+                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation,
+                          grad_amax_token=grad_amax_token)
 
 
 def _fp8_caches(module: nn.Module):

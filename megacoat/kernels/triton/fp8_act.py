@@ -79,12 +79,15 @@ def norm_fwd_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, rst
 
 
 @triton.jit
-def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, M, K, G,
-                    rows_per_prog, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BR: tl.constexpr,
-                    BG: tl.constexpr):
+def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, amax_ptr, M, K,
+                    G, rows_per_prog, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                    AMAX: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr, STAGES: tl.constexpr = 1):
     """Each program walks `rows_per_prog` rows and writes one row of weight/bias-gradient partials.
     HAS_RES: dx also gets the residual stream's gradient `dres` (added in fp32, one rounding): the
-    separate add of the two bf16 gradients would cost another pass over both."""
+    separate add of the two bf16 gradients would cost another pass over both. AMAX: max |dx| (as
+    rounded) into the zeroed fp32 scalar amax_ptr: the amax of the gradient the producing FP8 linear
+    casts, which then needs no amax pass of its own. STAGES: software-pipelined row loop (the next
+    rows' loads issued before this row's reductions wait)."""
     pid = tl.program_id(0)
     groups = tl.arange(0, BG)
     lanes = tl.arange(0, 16)
@@ -92,9 +95,10 @@ def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, 
     w = tl.load(w_ptr + cols1, mask=cols1 < K, other=0.0).to(tl.float32)[None, :, :]
     dw_acc = tl.zeros([BG, 16], dtype=tl.float32)
     db_acc = tl.zeros([BG, 16], dtype=tl.float32)
+    amax_acc = tl.zeros([BR, BG, 16], dtype=tl.float32)
     start = pid.to(tl.int64) * rows_per_prog
     end = start + rows_per_prog
-    for r0 in range(0, rows_per_prog, BR):
+    for r0 in tl.range(0, rows_per_prog, BR, num_stages=STAGES):
         rows = start + r0 + tl.arange(0, BR)
         rmask = (rows < M) & (rows < end)
         cols = cols1[None, :, :]
@@ -119,7 +123,10 @@ def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, 
         dx = dx * rstd[:, None, None]
         if HAS_RES:
             dx = dx + tl.load(dres_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dxb = dx.to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + off, dxb, mask=mask)
+        if AMAX:  # (LayerNorm's dx is not 0 in masked lanes: its mean term)
+            amax_acc = tl.maximum(amax_acc, tl.where(mask, tl.abs(dxb.to(tl.float32)), 0.0))
         dw_acc += tl.sum(g * xhat, axis=0)
         if HAS_BIAS:
             db_acc += tl.sum(g, axis=0)
@@ -127,6 +134,8 @@ def norm_bwd_kernel(dy_ptr, q_ptr, qs_ptr, rstd_ptr, mean_ptr, w_ptr, dres_ptr, 
     tl.store(dw_ptr + pid * K + cols1, dw_acc, mask=pmask)
     if HAS_BIAS:
         tl.store(db_ptr + pid * K + cols1, db_acc, mask=pmask)
+    if AMAX:
+        atomic_max_amax(amax_ptr, tl.max(tl.reshape(amax_acc, (amax_acc.numel,)), axis=0))
 
 
 @triton.jit
