@@ -400,8 +400,11 @@ def test_small_gpt_triton_kernels_match_references(recipe, monkeypatch):
     rel = {n: ((got[n] - exp[n]).norm() / exp[n].norm().clamp_min(1e-30)).item() for n in exp}
     bad = {n: f"{r:.3g}" for n, r in rel.items() if r > 2e-2}
     assert not bad, f"first-step gradients, kernels vs references (relative): {bad}; all: {rel}"
-    gap = max(abs(a - b) for a, b in zip(got_losses, exp_losses))
-    assert gap < 0.05, f"losses, kernels {got_losses} vs references {exp_losses}"
+    # Single steps late in a run at lr 3e-3 are chaotic (see the next test): 0.057 apart at step 18 of 20 on the
+    # H200 (2026-12-02) with the first 10 steps within 0.004. So: the early steps closely, the end as a mean.
+    early = max(abs(a - b) for a, b in zip(got_losses[:10], exp_losses[:10]))
+    end = abs(sum(got_losses[-5:]) - sum(exp_losses[-5:])) / 5
+    assert early < 0.02 and end < 0.05, f"losses, kernels {got_losses} vs references {exp_losses}"
 
 
 def test_small_gpt_coat_on_gpu_tracks_fp32():
