@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import time
 import warnings
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -18,6 +19,46 @@ from typing import Optional, Sequence
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a",
               "-gencode=arch=compute_90,code=compute_90", "-std=c++17"]
+
+
+# torch's JIT build holds `<build dir>/lock` while it compiles; a build killed meanwhile (a timeout, Ctrl-C) leaves
+# it behind, and every later load then waits for it forever, silently (seen on the H200, 2026-12-02: three runs
+# printed nothing for minutes). A build takes a few minutes; a lock this old is taken to be such a leftover.
+STALE_BUILD_LOCK_S = 900
+
+
+def build_directory(name: str) -> str:
+    """Where torch's JIT build of extension `megacoat_<name>` lives ($TORCH_EXTENSIONS_DIR or torch's default)."""
+    from torch.utils.cpp_extension import get_default_build_root
+    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), f"megacoat_{name}")
+
+
+def wait_for_build_lock(build_dir: str, clock=time.time, sleep=time.sleep, poll_s: float = 5.0) -> Optional[str]:
+    """Before torch's build: if `<build_dir>/lock` exists, wait while it is younger than STALE_BUILD_LOCK_S (another
+    process is building; it removes the lock when done), then remove it as a killed build's leftover. Says what it
+    does (one warning each). Returns the last message, or None when there was no lock."""
+    lock = os.path.join(build_dir, "lock")
+    said = None
+    while True:
+        try:
+            age = clock() - os.path.getmtime(lock)
+        except OSError:
+            return said  # no lock (any more): torch takes it from here
+        if age > STALE_BUILD_LOCK_S:
+            try:
+                os.remove(lock)
+            except OSError:
+                pass
+            said = (f"megacoat: removed the CUDA extension build lock {lock}, {age / 60:.0f} minutes old: a build was "
+                    "killed while holding it (torch would have waited for it forever)")
+            warnings.warn(said, stacklevel=3)
+            return said
+        if said is None:
+            said = (f"megacoat: waiting for the CUDA extension build lock {lock} ({age:.0f} s old): another process is "
+                    f"building this kernel. If none is, a killed build left it: delete the file, or megacoat removes "
+                    f"it once it is {STALE_BUILD_LOCK_S // 60} minutes old")
+            warnings.warn(said, stacklevel=3)
+        sleep(poll_s)
 
 
 def cuda_available() -> bool:
@@ -53,6 +94,7 @@ def load_extension(name: str, sources: Sequence[str], precise: bool = False,
         return None
     try:
         from torch.utils.cpp_extension import load
+        wait_for_build_lock(build_directory(name))
         return load(name=f"megacoat_{name}", sources=paths, extra_cuda_cflags=precise_flags() if precise else NVCC_FLAGS,
                     extra_cflags=["-O3"], extra_ldflags=[f"-l{lib}" for lib in libraries],
                     verbose=os.environ.get("MEGACOAT_VERBOSE_BUILD") == "1")

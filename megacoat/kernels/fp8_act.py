@@ -21,8 +21,10 @@ ACT_KIND = {"silu": 0, "gelu": 1}
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
          "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
          # norm backward: (elements per loop iteration, programs per SM, num_warps (0: by the row width),
-         # software-pipeline stages of the row loop)
-         "norm_bwd": (4096, 4, 0, 1)}
+         # software-pipeline stages of the row loop). The sweep's best over 8192x2048, 4096x4096 and 16384x4096
+         # with the fused residual gradient and its amax (fp8_bench --parts reductions, H200, 2026-12-02 session 12
+         # call 2): 56.8 / 87.9 / 269.0 us against 78.4 / 95.4 / 286.2 for (4096, 4, 0, 1), the tile before.
+         "norm_bwd": (4096, 2, 0, 2)}
 
 
 @lru_cache(maxsize=None)  # one module wrapper: its launchers (and their wrap_triton objects) are reused
