@@ -215,6 +215,26 @@ def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
     assert torch.equal(loss_r2, loss_d) and all(torch.equal(g_r2[n], g_d[n]) for n in g_d)
 
 
+@pytest.mark.parametrize("recompute", [("uniform", 1), ("block", 2)])
+def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute):
+    """Compiled layers (aot_eager: the same kernels as eager, so bit-identical) under full recomputation with
+    several groups per chunk: the layer before each recomputed group adds its deferred residual in the model,
+    and that add must hand fc2's token its gradient. A dropped token's gradient arrives as zeros in compiled
+    code (AOTAutograd materializes it): amax 0 saturated fc2's whole gradient (fc1, fc2 and the second norm's
+    weight gradients ~0 in every such layer; the review's repro, 2026-12-02)."""
+    grads = []
+    for compiled in (False, True):
+        model = _coat_model(True, recompute=recompute)
+        if compiled:
+            for layer in model.layers:
+                layer.compile(backend="aot_eager", fullgraph=True)
+        grads.append(_loss_and_grads(model))
+    (loss_e, g_e), (loss_c, g_c) = grads
+    assert torch.equal(loss_e, loss_c)
+    for n in g_e:
+        assert torch.equal(g_e[n], g_c[n]), n
+
+
 def test_compiled_deferred_coat_layers_equal_eager():
     """Two coat layers compiled one by one (as the model compiles them), the first deferring its residual add:
     the (stream, branch, token) triple crosses the compiled graphs and the token's gradient comes back through

@@ -23,20 +23,32 @@ NVCC_FLAGS = ["-O3", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a",
 
 # torch's JIT build holds `<build dir>/lock` while it compiles; a build killed meanwhile (a timeout, Ctrl-C) leaves
 # it behind, and every later load then waits for it forever, silently (seen on the H200, 2026-12-02: three runs
-# printed nothing for minutes). A build takes a few minutes; a lock this old is taken to be such a leftover.
-STALE_BUILD_LOCK_S = 900
+# printed nothing for minutes). Our three kernels build in 2-3 minutes on 16 cores; a lock this old is taken to be
+# such a leftover (torch never refreshes its mtime, so a genuine build slower than this would lose it).
+STALE_BUILD_LOCK_S = 1800
 
 
 def build_directory(name: str) -> str:
-    """Where torch's JIT build of extension `megacoat_<name>` lives ($TORCH_EXTENSIONS_DIR or torch's default)."""
-    from torch.utils.cpp_extension import get_default_build_root
-    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), f"megacoat_{name}")
+    """Where torch's JIT build of extension `megacoat_<name>` lives: $TORCH_EXTENSIONS_DIR/<name>, else torch's
+    default root plus its per-Python, per-CUDA folder (torch's own `_get_build_directory` where it has one)."""
+    from torch.utils import cpp_extension
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    if get is not None:
+        return get(f"megacoat_{name}", False)
+    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
+                        f"megacoat_{name}")
 
 
-def wait_for_build_lock(build_dir: str, clock=time.time, sleep=time.sleep, poll_s: float = 5.0) -> Optional[str]:
+def wait_for_build_lock(build_dir: str, clock=time.time, sleep=time.sleep, poll_s: float = 5.0,
+                        may_remove: Optional[bool] = None) -> Optional[str]:
     """Before torch's build: if `<build_dir>/lock` exists, wait while it is younger than STALE_BUILD_LOCK_S (another
-    process is building; it removes the lock when done), then remove it as a killed build's leftover. Says what it
-    does (one warning each). Returns the last message, or None when there was no lock."""
+    process is building; it removes the lock when done), then remove it as a killed build's leftover. Only one
+    process per node removes it (`may_remove`, default: LOCAL_RANK 0): two ranks removing the same stale lock
+    could delete the lock of the build the first one then starts. Says what it does (one warning each). Returns
+    the last message, or None when there was no lock. Raises OSError when the lock cannot be removed (the caller
+    then runs the reference)."""
+    if may_remove is None:
+        may_remove = os.environ.get("LOCAL_RANK", "0") == "0"
     lock = os.path.join(build_dir, "lock")
     said = None
     while True:
@@ -44,10 +56,10 @@ def wait_for_build_lock(build_dir: str, clock=time.time, sleep=time.sleep, poll_
             age = clock() - os.path.getmtime(lock)
         except OSError:
             return said  # no lock (any more): torch takes it from here
-        if age > STALE_BUILD_LOCK_S:
+        if age > STALE_BUILD_LOCK_S and may_remove:
             try:
                 os.remove(lock)
-            except OSError:
+            except FileNotFoundError:
                 pass
             said = (f"megacoat: removed the CUDA extension build lock {lock}, {age / 60:.0f} minutes old: a build was "
                     "killed while holding it (torch would have waited for it forever)")

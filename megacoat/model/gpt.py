@@ -14,7 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
-from ..precision.linear import Fp8WeightRefresher, release_fp8_weight_copies
+from ..precision.linear import Fp8WeightRefresher, add_with_grad_amax, release_fp8_weight_copies
 from .rope import RotaryEmbedding
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
@@ -191,7 +191,7 @@ class GPTModel(nn.Module):
 
 
 def _add_deferred_residual(x):
-    """A coat layer's deferred (stream, branch, token) -> stream + branch (the token's gradient then never comes:
-    the branch's FP8 linear makes its own amax pass)."""
-    stream, branch, _ = x
-    return stream + branch
+    """A coat layer's deferred (stream, branch, token) -> stream + branch. The add's backward gives the token its
+    gradient (an amax pass): a dropped token's gradient would arrive as zeros in the compiled layer (fp8_linear)."""
+    stream, branch, token = x
+    return add_with_grad_amax(stream, branch, token)

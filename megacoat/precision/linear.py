@@ -157,6 +157,24 @@ def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: to
     return placeholder_grad(main_grad, weight_dtype)
 
 
+class _AddWithGradAmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, token):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, (fp8.amax(g) if ctx.needs_input_grad[2] else None)
+
+
+def add_with_grad_amax(a: torch.Tensor, b: torch.Tensor, token: Optional[torch.Tensor]) -> torch.Tensor:
+    """a + b, where b came from `fp8_linear(..., grad_amax_token=True)` with `token`: the backward hands the token
+    max |g| (an amax pass of its own), so that no token is ever left without a gradient (see fp8_linear)."""
+    if token is None:
+        return a + b
+    return _AddWithGradAmax.apply(a, b, token)
+
+
 # ----------------------------------------------------------------------------- weight cache
 class Fp8WeightCache:
     """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed.
@@ -273,7 +291,10 @@ class _Fp8LinearFn(torch.autograd.Function):
             return y.view(*lead, y.shape[-1]), y_amax
         if opts.grad_amax_token:
             # Never read: its gradient, from the consumer's backward, is the amax of this output's gradient. Not
-            # materialized: an unused token's gradient must arrive as None (-> the amax pass), never as zeros.
+            # materialized: in eager code an unused token's gradient arrives as None (-> the amax pass). Compiled
+            # code's outer autograd node fills a missing gradient with zeros, which would read as amax 0 and
+            # saturate the whole gradient: every token must reach a consumer (`add_with_grad_amax` where no norm
+            # takes it).
             ctx.set_materialize_grads(False)
             return y.view(*lead, y.shape[-1]), torch.empty((), dtype=torch.float32, device=y.device)
         return y.view(*lead, y.shape[-1])
@@ -320,8 +341,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     FP8 SwiGLU, whose backward gives this linear its output gradient's amax.
     `grad_amax_token=True`: returns (y, token). Hand the token to the one consumer of y that computes y's whole
     gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`): its backward returns max |dy| as the token's
-    gradient, and this linear's backward casts dy with it instead of an amax pass of its own. A token whose
-    gradient never comes (None) falls back to that pass."""
+    gradient, and this linear's backward casts dy with it instead of an amax pass of its own. Every token must
+    reach such a consumer, or `add_with_grad_amax` (which makes the amax pass itself): in eager code a dropped
+    token's gradient is None and the linear makes its own pass, but inside torch.compile'd code it arrives as
+    zeros (AOTAutograd materializes it), an amax of 0 that would saturate the whole gradient."""
     if activation not in (None, "swiglu"):
         raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
     if grad_amax_token and activation is not None:
