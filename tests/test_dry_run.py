@@ -135,6 +135,9 @@ def test_activation_estimate_with_full_recomputation():
     per_layer = plain.activations["bf16"] / (4 * tokens)
     # two groups of two layers: their two inputs (2 bytes x h per token) + one group live in backward
     assert full.activations["bf16"] == int(tokens * (2 * 2 * h + 2 * per_layer))
+    # coat: the second group's input is the previous layer's deferred stream and MLP output (two bf16 tensors)
+    per_layer_coat = plain.activations["coat"] / (4 * tokens)
+    assert full.activations["coat"] == int(tokens * ((1 + 2) * 2 * h + 2 * per_layer_coat))
 
 
 def test_dry_run_under_a_launcher_prints_one_plan():

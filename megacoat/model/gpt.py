@@ -155,8 +155,9 @@ class GPTModel(nn.Module):
         plan = self.recompute_plan or RecomputePlan("none")
         index = 0  # of the layer in self.layers (groups come in order)
         for recomputed, group in plan.layer_groups(self.layers):
-            if recomputed and isinstance(x, tuple):
-                x = _add_deferred_residual(x)  # a recomputed group keeps one bf16 input (the planner counts it)
+            # A recomputed group after a deferring layer keeps both of its bf16 inputs (the planner counts them):
+            # adding them here first would round the residual gradient differently from the run without
+            # recomputation, which must give the same bits.
             for layer in group:
                 self._before(layer)
                 if self._fp8_refreshers is not None:

@@ -103,22 +103,26 @@ def loss_bytes_per_token(vocab_local: int, itemsize: int, fused: bool) -> int:
     return vocab_local * (2 * itemsize + (0 if fused else 4))
 
 
-def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int):
+def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int, recipe: str):
     """(activation bytes per token over this rank's layers, layers of the largest recomputed group).
-    --recompute-granularity full keeps only the input of each recomputed group (bf16, sequence-sharded under SP)
+    --recompute-granularity full keeps only the input of each recomputed group (bf16, sequence-sharded under SP;
+    under coat two tensors after a chunk's first group: the previous layer's deferred stream and MLP output)
     plus, during backward, one group's full activations; other layers keep everything (selective: the estimate
     does not change, the attention core saves no s x s matrix with SDPA / flash attention)."""
     t = cfg.train
     total, largest = 0.0, 0
+    # coat: every layer but a chunk's last hands the next its stream and its MLP output un-added (two tensors)
+    coat = recipe == "coat"
     for chunk in chunks:
         plan = RecomputePlan.from_flags(t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
                                         len(chunk.layers))
         if plan is None or plan.granularity != "full":
             total += per_layer * len(chunk.layers)
             continue
-        for recomputed, group in plan.layer_groups(chunk.layers):
+        for i, (recomputed, group) in enumerate(plan.layer_groups(chunk.layers)):
             if recomputed:
-                total += 2 * cfg.model.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
+                inputs = 2 if coat and i > 0 else 1
+                total += inputs * 2 * cfg.model.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
                 largest = max(largest, len(group))
             else:
                 total += per_layer * len(group)
@@ -186,7 +190,7 @@ def step_activations(cfg: MegacoatConfig, ctx: ParallelContext, chunks, padded_v
     per_layer = {r: activation_bytes_per_token_layer(m.hidden_size, m.ffn_hidden_size, kv, r, ctx.tp_size,
                                                      p.sequence_parallel, m.activation)
                  for r in ("bf16", "tensorwise", "coat")}
-    totals = {r: _recompute_totals(cfg, chunks, v, ctx.tp_size) for r, v in per_layer.items()}
+    totals = {r: _recompute_totals(cfg, chunks, v, ctx.tp_size, r) for r, v in per_layer.items()}
     # The logits exist on the last stage only, one micro-batch at a time (its backward follows its forward).
     fused_loss = target.type == "cuda" and cfg.precision.cross_entropy_loss_fusion is not False
     itemsize = torch.tensor([], dtype=params_dtype).element_size()
