@@ -219,6 +219,29 @@ def _identical(a, b) -> bool:
                                     for u, v in zip(a, b))
 
 
+def _timed_trials(configs, apply, restore, fn, check, nbytes, budget_s, t0, ok_key="ok"):
+    """Each config applied (until `budget_s` after t0), fn timed and its output checked (`check(out)`, recorded
+    under ok_key); `restore` afterwards -> (trials, the fastest that passed or None)."""
+    res = []
+    try:
+        for cfg in configs:
+            if time.time() - t0 > budget_s:
+                res.append(dict(stopped=f"sweep budget {budget_s} s"))
+                break
+            apply(cfg)
+            try:
+                ok = check(fn())
+                us = bench_us(fn)
+                res.append({"config": list(cfg), "time_us": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1),
+                            "pct_of_hbm": round(100 * nbytes / us / 1e3 / HBM_GBS, 1), ok_key: ok})
+            except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
+                res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+    finally:
+        restore()
+    good = [r for r in res if "time_us" in r and r[ok_key]]
+    return res, (min(good, key=lambda r: r["time_us"]) if good else None)
+
+
 def tile_sweep(x, x2, h, n, budget_s=300.0):
     """Each 1x16 kernel under every TILE_SWEEP tile: time (same data) and bit-identity with the default
     tiles' outputs. -> {kernel: {default, default_us, trials, best, speedup_vs_default, tiles_line}}."""
@@ -245,25 +268,10 @@ def tile_sweep(x, x2, h, n, budget_s=300.0):
     for name, (table, fn, nbytes) in cases.items():
         default = tuple(table[name])
         want = fn()
-        res = []
-        try:
-            cfgs = [default] + [c for c in TILE_SWEEP[name] if tuple(c) != default]
-            for cfg in cfgs[:3] if SMOKE else cfgs:
-                if time.time() - t0 > budget_s:
-                    res.append(dict(stopped=f"sweep budget {budget_s} s"))
-                    break
-                table[name] = tuple(cfg)
-                try:
-                    same = _identical(fn(), want)
-                    us = bench_us(fn)
-                    res.append(dict(config=list(cfg), time_us=round(us, 2), gb_s=round(nbytes / us / 1e3, 1),
-                                    pct_of_hbm=round(100 * nbytes / us / 1e3 / HBM_GBS, 1), identical=same))
-                except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
-                    res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
-        finally:
-            table[name] = default
-        ok = [r for r in res if "time_us" in r and r["identical"]]
-        best = min(ok, key=lambda r: r["time_us"]) if ok else None
+        cfgs = [default] + [c for c in TILE_SWEEP[name] if tuple(c) != default]
+        res, best = _timed_trials(cfgs[:3] if SMOKE else cfgs, lambda c: table.__setitem__(name, tuple(c)),
+                                  lambda: table.__setitem__(name, default), fn, lambda out: _identical(out, want),
+                                  nbytes, budget_s, t0, ok_key="identical")
         d_us = res[0].get("time_us") if res and "time_us" in res[0] else None
         entry = dict(default=list(default), default_us=d_us, trials=res, best=best,
                      not_identical=[r["config"] for r in res if r.get("identical") is False])
@@ -318,28 +326,6 @@ NORM_BWD_SWEEP = [(e, p, w, st) for e in (2048, 4096) for p in (2, 4, 8) for w i
 # the amax also on the 1.36B qkv gradient (tokens x 3 * hidden).
 REDUCTION_SHAPES = [(8192, 2048), (4096, 4096), (16384, 4096)]
 AMAX_EXTRA_SHAPES = [(8192, 6144)]
-
-
-def _timed_trials(configs, apply, restore, fn, check, nbytes, budget_s, t0):
-    """Each config applied, fn timed and its output checked -> (trials, best identical or None)."""
-    res = []
-    try:
-        for cfg in configs:
-            if time.time() - t0 > budget_s:
-                res.append(dict(stopped=f"sweep budget {budget_s} s"))
-                break
-            apply(cfg)
-            try:
-                ok = check(fn())
-                us = bench_us(fn)
-                res.append(dict(config=list(cfg), time_us=round(us, 2),
-                                pct_of_hbm=round(100 * nbytes / us / 1e3 / HBM_GBS, 1), ok=ok))
-            except Exception as e:  # noqa: BLE001 - a config may not compile (registers): record it
-                res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
-    finally:
-        restore()
-    good = [r for r in res if "time_us" in r and r["ok"]]
-    return res, (min(good, key=lambda r: r["time_us"]) if good else None)
 
 
 def part_reductions(args):

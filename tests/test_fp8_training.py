@@ -36,13 +36,18 @@ GPT2 = dict(normalization="LayerNorm", activation="gelu", position_embedding_typ
             add_bias_linear=True)
 
 
+def _small_gpt(dtype, fp8, num_layers=2, **arch):
+    """The small CPU GPT of these tests (seed 5)."""
+    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=num_layers,
+                           ffn_hidden_size=176, **arch)
+    rng = seed_everything(5, 0, torch.device("cpu"))
+    return GPTModel(m, LayerContext(None, False, rng, dtype, torch.device("cpu"), 5, fp8=fp8), VOCAB,
+                    padded_vocab_size(VOCAB, 8, 1))
+
+
 def _train(dtype, fp8, **arch):
-    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=2, ffn_hidden_size=176,
-                           **arch)
     ctx = ParallelContext.build(1, 1, torch.device("cpu"))
-    rng = seed_everything(5, 0, ctx.device)
-    model = GPTModel(m, LayerContext(None, False, rng, dtype, ctx.device, 5, fp8=fp8), VOCAB,
-                     padded_vocab_size(VOCAB, 8, 1))
+    model = _small_gpt(dtype, fp8, **arch)
     opt = MixedPrecisionAdamW(model, OptimizerConfig(lr=3e-3, clip_grad=1.0, adam_eps=1e-8), ctx)
     losses = []
     for s in range(STEPS):
@@ -168,11 +173,7 @@ def _compiled_layer_equals_eager(rank, world, tp, sp):
 
 def _coat_model(defer: bool, dtype=torch.bfloat16, fp8=Fp8Recipe(), recompute=None, **arch):
     from megacoat.model.recompute import RecomputePlan
-    m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=3, ffn_hidden_size=176,
-                           **arch)
-    rng = seed_everything(5, 0, torch.device("cpu"))
-    model = GPTModel(m, LayerContext(None, False, rng, dtype, torch.device("cpu"), 5, fp8=fp8), VOCAB,
-                     padded_vocab_size(VOCAB, 8, 1))
+    model = _small_gpt(dtype, fp8, num_layers=3, **arch)
     if not defer:
         for layer in model.layers:
             layer.defer_residual = False

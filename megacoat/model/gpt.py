@@ -14,7 +14,7 @@ from ..parallel.layers import ColumnParallelLinear, InitSpec, VocabParallelEmbed
 from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from ..parallel.random import param_generator
-from ..precision.linear import Fp8WeightRefresher, add_with_grad_amax, release_fp8_weight_copies
+from ..precision.linear import Fp8WeightRefresher, release_fp8_weight_copies
 from .rope import RotaryEmbedding
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
@@ -67,7 +67,9 @@ class GPTModel(nn.Module):
         else:
             self.rope = RotaryEmbedding(m.kv_channels, m.max_position_embeddings, m.rotary_base, device=lc.device)
         self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in self.layer_numbers)
-        if lc.coat:  # each layer's last residual add goes into the next layer's input norm (its kernel adds it)
+        # coat: each layer's last residual add goes into the next layer's input norm (its kernel adds it); the
+        # chunk's last layer adds its own, so the chunk returns a tensor and every fc2 token reaches a norm.
+        if lc.coat:
             for layer in list(self.layers)[:-1]:
                 layer.defer_residual = True
         self.final_norm = self.output_layer = None
@@ -167,8 +169,6 @@ class GPTModel(nn.Module):
                 index += 1
             x = self._before_backward(run_layer_group(group, x, rope, attention_mask, recomputed and self.training,
                                                       self.lc.rng), *group)
-        if isinstance(x, tuple):  # (not reached: a chunk's last layer adds its residual itself)
-            x = _add_deferred_residual(x)
         if not self.post_process:
             return x
         if self.tied and not self.pre_process:
@@ -190,9 +190,3 @@ class GPTModel(nn.Module):
         tp = group_size(self.lc.tp_group)
         return sum(p.numel() * (tp if p.tensor_model_parallel else 1) for p in self.parameters())
 
-
-def _add_deferred_residual(x):
-    """A coat layer's deferred (stream, branch, token) -> stream + branch. The add's backward gives the token its
-    gradient (an amax pass): a dropped token's gradient would arrive as zeros in the compiled layer (fp8_linear)."""
-    stream, branch, token = x
-    return add_with_grad_amax(stream, branch, token)

@@ -243,12 +243,12 @@ class RowParallelLinear(nn.Module):
             x_amax = None
         token = None
         if self.linear_impl is not None:
-            if grad_amax_token and not self.sequence_parallel:
-                # Without SP the reduction's backward is the identity: every rank's GEMM gets the full dy.
-                y, token = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax,
-                                            fuse_wgrad=self.fuse_wgrad, grad_amax_token=True)
-            else:
-                y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad)
+            # Without SP the reduction's backward is the identity: every rank's GEMM gets the full dy.
+            with_token = grad_amax_token and not self.sequence_parallel
+            y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad,
+                                 grad_amax_token=with_token)
+            if with_token:
+                y, token = y
         else:
             y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
         if self.sequence_parallel:

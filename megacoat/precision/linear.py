@@ -157,24 +157,6 @@ def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: to
     return placeholder_grad(main_grad, weight_dtype)
 
 
-class _AddWithGradAmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, token):
-        return a + b
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, g, (fp8.amax(g) if ctx.needs_input_grad[2] else None)
-
-
-def add_with_grad_amax(a: torch.Tensor, b: torch.Tensor, token: Optional[torch.Tensor]) -> torch.Tensor:
-    """a + b, where b came from `fp8_linear(..., grad_amax_token=True)` with `token`: the backward hands the token
-    max |g| (an amax pass of its own), so that no token is ever left without a gradient (see fp8_linear)."""
-    if token is None:
-        return a + b
-    return _AddWithGradAmax.apply(a, b, token)
-
-
 # ----------------------------------------------------------------------------- weight cache
 class Fp8WeightCache:
     """The FP8 copy of one weight (row-major W and W^T, one scale), remade when the weight changed.
@@ -293,8 +275,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             # Never read: its gradient, from the consumer's backward, is the amax of this output's gradient. Not
             # materialized: in eager code an unused token's gradient arrives as None (-> the amax pass). Compiled
             # code's outer autograd node fills a missing gradient with zeros, which would read as amax 0 and
-            # saturate the whole gradient: every token must reach a consumer (`add_with_grad_amax` where no norm
-            # takes it).
+            # saturate the whole gradient: every token must reach a consumer.
             ctx.set_materialize_grads(False)
             return y.view(*lead, y.shape[-1]), torch.empty((), dtype=torch.float32, device=y.device)
         return y.view(*lead, y.shape[-1])
@@ -342,9 +323,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     `grad_amax_token=True`: returns (y, token). Hand the token to the one consumer of y that computes y's whole
     gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`): its backward returns max |dy| as the token's
     gradient, and this linear's backward casts dy with it instead of an amax pass of its own. Every token must
-    reach such a consumer, or `add_with_grad_amax` (which makes the amax pass itself): in eager code a dropped
-    token's gradient is None and the linear makes its own pass, but inside torch.compile'd code it arrives as
-    zeros (AOTAutograd materializes it), an amax of 0 that would saturate the whole gradient."""
+    reach such a consumer: in eager code a dropped token's gradient is None and the linear makes its own pass,
+    but inside torch.compile'd code it arrives as zeros (AOTAutograd materializes it), an amax of 0 that would
+    saturate the whole gradient."""
     if activation not in (None, "swiglu"):
         raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
     if grad_amax_token and activation is not None:

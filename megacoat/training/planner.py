@@ -111,8 +111,6 @@ def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int, re
     does not change, the attention core saves no s x s matrix with SDPA / flash attention)."""
     t = cfg.train
     total, largest = 0.0, 0
-    # coat: every layer but a chunk's last hands the next its stream and its MLP output un-added (two tensors)
-    coat = recipe == "coat"
     for chunk in chunks:
         plan = RecomputePlan.from_flags(t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
                                         len(chunk.layers))
@@ -121,7 +119,7 @@ def _recompute_totals(cfg: MegacoatConfig, chunks, per_layer: float, tp: int, re
             continue
         for i, (recomputed, group) in enumerate(plan.layer_groups(chunk.layers)):
             if recomputed:
-                inputs = 2 if coat and i > 0 else 1
+                inputs = 2 if recipe == "coat" and i > 0 else 1
                 total += inputs * 2 * cfg.model.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
                 largest = max(largest, len(group))
             else:
