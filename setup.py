@@ -29,8 +29,8 @@ def _cpp_extensions():
 # references bit for bit. Without a build they are compiled on first use (megacoat.kernels.cuda_ext).
 CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"],
                    "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu"],
-                   "megacoat._fp8_wgrad": ["csrc/fp8_wgrad.cu"]}
-CUDA_LIBRARIES = {"megacoat._fp8_wgrad": ["cublasLt"]}
+                   "megacoat._fp8_gemm": ["csrc/fp8_gemm.cu"]}
+CUDA_LIBRARIES = {"megacoat._fp8_gemm": ["cublasLt"]}
 CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
 
 

@@ -25,6 +25,8 @@ Parts (each runs on its own: a failing part is recorded with its error and the o
   alone (DESIGN 5.2 anchors: 3.33 -> 1.93 ms and 6.84 -> 3.72 ms).
 - reductions: the amax and the norm backward (+ residual gradient) at the training shapes under every config
   of AMAX_SWEEP / NORM_BWD_SWEEP: time, % of HBM, checked against the default config.
+- gemms: every FP8 GEMM of a 1.36B and a 7B layer (fwd, dgrad, wgrad of each linear): torch._scaled_mm vs
+  the cuBLASLt extension with the heuristic's first algorithm vs tuned (fastest of `--gemm-candidates`).
 - layer: one TransformerLayer (1.36B shape, seq 2048, micro-batch 4) forward + backward per recipe,
   eager and compiled: time and peak memory.
 """
@@ -573,6 +575,76 @@ def part_wgrad(args):
     return out
 
 
+def _layer_gemms(t, h, ffn):
+    """The FP8 linear's GEMM problems of one Llama layer at `t` tokens, as the extension takes them: name ->
+    (a rows, b rows, inner, a format, b format, out dtype, accumulate, fast_accum). fwd: y = xq wq^T (fast
+    accumulation, as the forward runs it); dgrad: dx = gq wqt^T; wgrad: main_grad += gqt xqt^T."""
+    out = {}
+    for lname, (kin, kout) in {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 2 * ffn), "fc2": (ffn, h)}.items():
+        out[f"{lname} fwd"] = (t, kout, kin, "e4m3", "e4m3", torch.bfloat16, False, True)
+        out[f"{lname} dgrad"] = (t, kin, kout, "e5m2", "e4m3", torch.bfloat16, False, False)
+        out[f"{lname} wgrad"] = (kout, kin, t, "e5m2", "e4m3", torch.float32, True, False)
+    return out
+
+
+def part_gemms(args):
+    """Every FP8 GEMM of the 1.36B and 7B layers: torch._scaled_mm (what the forward and dgrad run), the
+    cuBLASLt extension with the heuristic's first algorithm (candidates=1) and tuned (the fastest of up to
+    `--gemm-candidates` algorithms, timed on the problem's first call). CUDA-graph replays, L2 flushed; the
+    tuned output is checked against _scaled_mm's."""
+    from megacoat.kernels.fp8_wgrad import cuda_extension
+    ext = cuda_extension() if DEV == "cuda" else None
+    if ext is None:
+        return {"extension_built": False}
+    shapes = {"1.36B": dict(t=8192, h=2048, ffn=5632), "7B": dict(t=4096, h=4096, ffn=11008)}
+    out = {"extension_built": True, "candidates": args.gemm_candidates}
+    for name, s in shapes.items():
+        res, totals = {}, {"today": 0.0, "scaled_mm": 0.0, "heuristic": 0.0, "tuned": 0.0}
+        for pname, (m, n, k, fa, fb, odt, acc, fast) in _layer_gemms(s["t"], s["h"], s["ffn"]).items():
+            a, _, sa = fp8.quantize_tensorwise(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fa)
+            b, _, sb = fp8.quantize_tensorwise(torch.randn(n, k, device=DEV, dtype=torch.bfloat16), fb)
+            o = torch.zeros(m, n, device=DEV, dtype=odt)
+            flops = 2.0 * m * n * k
+            reference = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                                         use_fast_accum=fast)
+            runs = {"heuristic": lambda: ext.fp8_gemm(o, a, sa, b, sb, acc, fast, 1),
+                    "tuned": lambda: ext.fp8_gemm(o, a, sa, b, sb, acc, fast, args.gemm_candidates)}
+            if not acc:  # the weight gradient runs the extension already (no _scaled_mm adds into its output)
+                runs["scaled_mm"] = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=odt,
+                                                             use_fast_accum=fast)
+            row = {}
+            for rname in ("scaled_mm", "heuristic", "tuned"):
+                if rname not in runs:
+                    continue
+                if rname != "scaled_mm":
+                    o.zero_()
+                    if runs[rname]() is not True:
+                        raise RuntimeError(f"the FP8 GEMM extension declined {pname} of {name}")
+                    if rname == "tuned":
+                        err = ((o.float() - reference).abs().max() / reference.abs().max()).item()
+                        row["tuned_max_rel_diff_vs_scaled_mm"] = float(f"{err:.3g}")
+                us = bench_us(runs[rname])
+                row[rname] = dict(time_us=round(us, 1), tflops=round(flops / us / 1e6, 1))
+                totals[rname] += us
+            today = row["scaled_mm" if "scaled_mm" in row else "heuristic"]
+            totals["today"] += today["time_us"]
+            print(f"  {name} {pname:11s} [{m}x{k}]x[{n}x{k}]^T: " + ", ".join(
+                f"{r} {row[r]['time_us']:.0f} us ({row[r]['tflops']:.0f} TF/s)" for r in ("scaled_mm", "heuristic",
+                                                                                            "tuned") if r in row),
+                flush=True)
+            res[pname] = row
+        res["layer_total_us"] = {k: round(v, 1) for k, v in totals.items()}
+        print(f"  {name} per layer: today {totals['today']:.0f} us, heuristic {totals['heuristic']:.0f} us, "
+              f"tuned {totals['tuned']:.0f} us", flush=True)
+        out[name] = res
+    out["tuning_report"] = [dict(m=r[0], n=r[1], k=r[2], a=r[3], b=r[4], out=r[5], accumulate=r[6], chosen=r[7],
+                                 ms=[round(x, 4) for x in r[8]]) for r in ext.tuning_report()]
+    for r in out["tuning_report"]:
+        print(f"  tuned [{r['m']}x{r['k']}]x[{r['n']}x{r['k']}]^T {r['a']}/{r['b']}->{r['out']}: chose {r['chosen']} "
+              f"of {len(r['ms'])}: " + " ".join(f"{x * 1e3:.0f}" for x in r["ms"]) + " us", flush=True)
+    return out
+
+
 def _host_ms(fn, n=20) -> float:
     fn()
     _sync()
@@ -673,6 +745,7 @@ def main():
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--budget-s", type=float, default=160.0, help="skip remaining layer runs after this")
     ap.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop the 1x16 tile sweep after this")
+    ap.add_argument("--gemm-candidates", type=int, default=16, help="--parts gemms: algorithms timed per problem")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, measures nothing)")
     args = ap.parse_args()
     global DEV, SMOKE
@@ -702,6 +775,8 @@ def main():
                 r = part_linear(args)
             elif part == "wgrad":
                 r = part_wgrad(args)
+            elif part == "gemms":
+                r = part_gemms(args)
             elif part == "reductions":
                 r = part_reductions(args)
             elif part == "layer":

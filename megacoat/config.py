@@ -135,6 +135,11 @@ class PrecisionConfig:
                 "copies could not be made ahead) or, on a GPU, the step's estimated peak with the copies passes 95% "
                 "of the memory the process can use (then none; said in the log).",
         choices=["auto", "step", "none"])
+    fp8_gemm_candidates: int = _f(
+        1, "With --fp8-format on a GPU: how many of cuBLASLt's FP8 GEMM algorithms to time for each GEMM shape on its "
+           "first call, keeping the fastest for the run (forward, dgrad and wgrad GEMMs; a few ms once per shape). "
+           "1 = cuBLASLt's heuristic choice, as torch._scaled_mm. The choice follows the timing, so two runs may pick "
+           "different algorithms, whose sums differ in rounding.")
     gradient_accumulation_fusion: bool = _f(
         True, "The weight-gradient GEMM accumulates straight into the fp32 (or bf16) main gradient buffer "
               "(where supported: CUDA; elsewhere the gradient is added after the GEMM).")
@@ -489,6 +494,8 @@ def _method_errors(cfg: MegacoatConfig) -> list:
     o, pr, c, p = cfg.optim, cfg.precision, cfg.comm, cfg.parallel
     if pr.fp8_format is not None and cfg.train.fp32:
         errors.append("--fp8-format needs bf16 parameters: drop --fp32 (or use --bf16).")
+    if not 1 <= pr.fp8_gemm_candidates <= 32:
+        errors.append(f"--fp8-gemm-candidates {pr.fp8_gemm_candidates}: give 1 (cuBLASLt's heuristic choice) to 32.")
     if pr.fp8_format is None and pr.fp8_weight_cache != "auto":
         errors.append("--fp8-weight-cache needs --fp8-format (it chooses how FP8 weight copies are kept).")
     if not o.use_precision_aware_optimizer and (o.exp_avg_dtype != "fp32" or o.exp_avg_sq_dtype != "fp32"):

@@ -10,7 +10,7 @@
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
 #                   bf16_cudagraphs / coat_cudagraphs: with TORCHINDUCTOR_CUDAGRAPHS=1, coat_castperuse: --fp8-weight-cache none,
-#                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion,
+#                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion, coat_tuned: --fp8-gemm-candidates 16,
 #                   only when named); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
@@ -72,17 +72,17 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
 # unchanged source is not rebuilt in every new export), and then ninja alone would keep a stale build of a
 # changed one: torch's source hash only bumps the version inside one process (2026-12-01: two calls ran
 # stale extensions that way). The stamp is the sources' sha256, written after each build.
-for ext in fused_adamw:fused_adamw.cu fp8_wgrad:fp8_wgrad.cu sdp4bit:sdp4bit_encode.cu; do
+for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
   d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; sum=$(sha256sum "csrc/${ext#*:}" | cut -c1-64)
   if [ -d "$d" ] && [ "$(cat "$d/.megacoat_src_sha" 2>/dev/null)" != "$sum" ]; then
     echo "-- ${ext%%:*}: carried build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
 done
-stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_wgrad:fp8_wgrad.cu sdp4bit:sdp4bit_encode.cu; do
+stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
   d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; [ -d "$d" ] && sha256sum "csrc/${ext#*:}" | cut -c1-64 > "$d/.megacoat_src_sha"; done; }
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid=$!
-  MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.fp8_wgrad import cuda_extension as f; print('fp8 wgrad extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
+  MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.fp8_wgrad import cuda_extension as f; print('fp8 gemm extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid2=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
   wait $pid $pid2
@@ -166,6 +166,7 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
+  c1 coat_tuned && mc c1_coat_tuned${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-gemm-candidates 16
   # The loss through torch operations on an fp32 copy of the logits instead of the fused kernels (only when named)
   c1 bf16_eagerce && mc c1_bf16_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-cross-entropy-loss-fusion
   c1 coat_eagerce && mc c1_coat_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-cross-entropy-loss-fusion

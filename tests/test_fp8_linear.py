@@ -186,6 +186,30 @@ def test_recipe_keeps_weight_copies_unless_one_micro_batch_waits_for_overlapped_
         resolve_precision(TrainingConfig(fp32=True), torch.device("cpu"), precision=pr)
 
 
+def test_fp8_gemm_candidates_flag_reaches_the_linear_and_is_checked():
+    """--fp8-gemm-candidates goes to the recipe and every FP8 GEMM's options; off the GPU the GEMMs still run the
+    emulation (the same result as without it); out of range is a config error naming the range."""
+    from dataclasses import replace
+
+    from megacoat.config import ConfigError, parse_args, validate_config
+    from megacoat.precision.recipe import resolve_precision
+
+    cfg = parse_args(["--fp8-format", "hybrid", "--fp8-gemm-candidates", "8"])
+    recipe = resolve_precision(cfg.train, torch.device("cpu"), precision=cfg.precision).fp8
+    assert recipe.gemm_candidates == 8
+    x0, w0 = _data((4, 2, 64), 40), _data((48, 64), 41, scale=0.05)
+    outs = []
+    for r in (recipe, replace(recipe, gemm_candidates=1)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), r)
+        y.float().square().sum().backward()
+        outs.append((y, x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="--fp8-gemm-candidates 0"):
+        validate_config(parse_args(["--fp8-format", "hybrid", "--fp8-gemm-candidates", "0"]), 1)
+
+
 @pytest.mark.parametrize("shape", [(4, 8, 64, 2 * 48), (7, 1, 24, 2 * 40)])  # (s, b, in, 2 * ffn); odd shapes too
 def test_fused_swiglu_equals_linear_then_swiglu(shape):
     """fc1 with activation="swiglu" is the same computation as fc1 followed by fp8_swiglu: identical

@@ -54,7 +54,7 @@ def test_extension_never_runs_off_gpu():
 
 
 def _declined_problems(dev):
-    """Problems the extension does not take (csrc/fp8_wgrad.cu `takes`), each with its out [N, K]."""
+    """Problems the extension does not take (csrc/fp8_gemm.cu `takes`), each with its out [N, K]."""
     out = torch.zeros(32, 48, device=dev)
     gqt = torch.ones(32, 64, device=dev).to(torch.float8_e5m2)
     xqt = torch.ones(48, 64, device=dev).to(torch.float8_e4m3fn)
@@ -68,7 +68,7 @@ def _declined_problems(dev):
     return {
         "e5m2 x e5m2": (out, gqt, one, xqt.view(torch.float8_e5m2), one),
         "bf16 operand": (out, torch.ones(32, 64, device=dev, dtype=torch.bfloat16), one, xqt, one),
-        "bf16 out": (torch.zeros(32, 48, device=dev, dtype=torch.bfloat16), gqt, one, xqt, one),
+        "fp16 out": (torch.zeros(32, 48, device=dev, dtype=torch.float16), gqt, one, xqt, one),
         "N not a multiple of 16": (torch.zeros(24, 48, device=dev), gqt[:24].contiguous(), one, xqt, one),
         "T not a multiple of 16": (out, gqt[:, :40].contiguous(), one, xqt[:, :40].contiguous(), one),
         "T = 0": (out, gqt[:, :0].contiguous(), one, xqt[:, :0].contiguous(), one),
@@ -78,7 +78,7 @@ def _declined_problems(dev):
         "bf16 scale": (out, gqt, one.bfloat16(), xqt, one),
         "strided operand": (out, torch.ones(32, 128, device=dev).to(torch.float8_e5m2)[:, :64], one, xqt, one),
         "operand off 16 bytes": (out, off16((32, 64), torch.float8_e5m2), one, xqt, one),
-        # 4 bytes past a 16-byte boundary: cuBLASLt crashed on it (csrc/fp8_wgrad.cu)
+        # 4 bytes past a 16-byte boundary: cuBLASLt crashed on it (csrc/fp8_gemm.cu)
         "out off 16 bytes": (torch.zeros(32 * 48 + 4, device=dev)[1:32 * 48 + 1].view(32, 48), gqt, one, xqt, one),
         "CPU scale": (out, gqt, torch.ones(1), xqt, one),
     }
@@ -90,7 +90,7 @@ class _Ext:
     def __init__(self, error=None):
         self.calls, self.error = 0, error
 
-    def fp8_wgrad(self, *args):
+    def fp8_gemm(self, *args):
         self.calls += 1
         if self.error is not None:
             raise self.error
@@ -105,7 +105,7 @@ def _patched(monkeypatch, ext):
 def test_a_refused_problem_falls_back_for_the_rest_of_the_run(monkeypatch):
     """cuBLASLt refusing one problem (no algorithm) must not fail training, nor turn the extension off for
     the others: one warning, then that problem alone runs the fallback."""
-    ext = _Ext(RuntimeError("megacoat fp8_wgrad: cuBLASLt has no FP8 GEMM ..."))
+    ext = _Ext(RuntimeError("megacoat fp8_gemm: cuBLASLt has no FP8 GEMM ..."))
     _patched(monkeypatch, ext)
     gqt, sg = _codes((16, 32), "e5m2", 6)
     xqt, sx = _codes((16, 32), "e4m3", 7)
@@ -153,7 +153,7 @@ def _need_extension():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     if W.cuda_extension() is None:
-        pytest.fail("the fp8_wgrad CUDA extension did not build on this GPU machine")
+        pytest.fail("the fp8_gemm CUDA extension did not build on this GPU machine")
 
 
 def _abs_product(gqt, sg, xqt, sx):
@@ -237,3 +237,50 @@ def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset, monkeypatch):
         assert all(used), f"the extension did not run every micro-batch: {used}"
     else:
         assert not any(used), f"the extension ran on a gradient view 4 bytes off 16: {used}"
+
+
+@gpu
+@pytest.mark.parametrize("candidates", [1, 8])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bf16_output_and_tuned_algorithms_on_gpu(candidates, accumulate):
+    """The extension's general form out[M, N] (+)= a[M, K] b[N, K]^T with a bf16 output (the FP8 linear's
+    forward and dgrad), from the heuristic's first algorithm or the fastest of 8 timed ones: within the
+    accumulation bound plus one bf16 rounding of the exact product, and added exactly once (tuning runs on a
+    scratch copy, never on the caller's output)."""
+    _need_extension()
+    m, n, k = 272, 208, 4096  # odd multiples of 16; long K (split-K candidates)
+    a, sa = _codes((m, k), "e5m2", 70, "cuda")
+    b, sb = _codes((n, k), "e4m3", 71, "cuda")
+    bound = _abs_product(a, sa, b, sb)
+    start = (torch.randn(m, n, device="cuda", generator=torch.Generator("cuda").manual_seed(72))
+             * float(bound.max())).to(torch.bfloat16)
+    out = start.clone() if accumulate else torch.full_like(start, float("nan"))
+    ext = W.cuda_extension()
+    assert ext.fp8_gemm(out, a, sa, b, sb, accumulate, False, candidates)
+    torch.cuda.synchronize()
+    expect = _exact(start.double(), a, sa, b, sb, accumulate)
+    err = (out.double() - expect).abs()
+    # bf16 output: its own rounding (2^-8 of the result), plus the summed input's where accumulating
+    allowed = 2 ** -9 * bound + 2 ** -8 * expect.abs() + (2 ** -8 * start.double().abs() if accumulate else 0)
+    assert bool((err <= allowed).all()), f"max error {float(err.max()):.3e} (candidates={candidates})"
+    if candidates > 1:
+        tuned = [r for r in ext.tuning_report() if r[:3] == (m, n, k) and r[6] == accumulate]
+        assert tuned, "a tuned problem is missing from the tuning report"
+        ms, chosen = tuned[-1][8], tuned[-1][7]
+        assert ms[chosen] >= 0 and all(x < 0 or ms[chosen] <= x for x in ms)
+
+
+@gpu
+def test_tuned_gemm_compiles_whole_and_matches_scaled_mm_on_gpu():
+    """The FP8 linear's GEMM under --fp8-gemm-candidates (the `megacoat::fp8_gemm_tuned` custom op) inside
+    torch.compile with fullgraph (no graph break): within the accumulation bound of torch._scaled_mm's result."""
+    _need_extension()
+    m, n, k = 512, 384, 1024
+    a, sa = _codes((m, k), "e4m3", 80, "cuda")
+    b, sb = _codes((n, k), "e4m3", 81, "cuda")
+    fn = torch.compile(lambda a, sa, b, sb: L.fp8_gemm(a, sa, b, sb, torch.bfloat16, False, True, 8), fullgraph=True)
+    got = fn(a, sa, b, sb)
+    ref = torch._scaled_mm(a, b.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.float32)
+    bound = _abs_product(a, sa, b, sb)
+    err = (got.double() - ref.double()).abs()
+    assert got.dtype == torch.bfloat16 and bool((err <= 2 ** -8 * bound + 2 ** -8 * ref.double().abs()).all())

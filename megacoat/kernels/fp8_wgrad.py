@@ -2,7 +2,7 @@
 
 `fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate)`: out [N, K] (+)= (gqt [N, T] * sg) @ (xqt [K, T] * sx)^T,
 both operands FP8 row-major with one fp32 scale each (the FP8 linear's transposed copies of the output
-gradient and the input). The CUDA extension (`csrc/fp8_wgrad.cu`, cuBLASLt with beta = 1) adds into `out`
+gradient and the input). The CUDA extension (`csrc/fp8_gemm.cu`, cuBLASLt with beta = 1) adds into `out`
 without an fp32 temporary: `torch._scaled_mm` can only overwrite its output, which left every
 micro-batch after a step's first with a temporary and an add pass over the weight gradient.
 The reference (same signature) dequantizes and multiplies in fp32: the tests' oracle (off-GPU the FP8
@@ -34,7 +34,7 @@ def fp8_wgrad_reference(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, 
 def cuda_extension():
     """The compiled cuBLASLt GEMM, or None (no CUDA, no toolkit: one warning)."""
     from .cuda_ext import load_extension
-    return load_extension("fp8_wgrad", ("fp8_wgrad.cu",), libraries=("cublasLt",))
+    return load_extension("fp8_gemm", ("fp8_gemm.cu",), libraries=("cublasLt",))
 
 
 class _Refused:
@@ -45,31 +45,62 @@ class _Refused:
     keys: set = set()
 
 
-def _problem_key(out, gqt, xqt, accumulate):
+def _problem_key(out, a, b, accumulate):
     # out's alignment up to 256 bytes, as the extension's algorithm cache tells problems apart (it takes >= 16)
-    return (tuple(gqt.shape), xqt.shape[0], gqt.dtype, xqt.dtype, out.data_ptr() % 256, accumulate, out.device)
+    return (tuple(a.shape), b.shape[0], a.dtype, b.dtype, out.dtype, out.data_ptr() % 256, accumulate, out.device)
 
 
-def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
-                   accumulate: bool) -> bool:
-    """Runs the extension when it exists and takes the problem; False otherwise (nothing written).
-
-    The extension decides what it takes (csrc/fp8_wgrad.cu `takes`: every tensor on one GPU; out a
-    contiguous fp32 [N, K]; gqt [N, T] and xqt [K, T] contiguous FP8, not both e5m2; N, K, T non-zero
-    multiples of 16; one-element fp32 scales; every pointer 16-byte aligned) and returns False for the rest:
-    in C++, because these checks in Python cost more host time than the launch, on every micro-batch of
-    every linear."""
+def _run_extension(out, a, sa, b, sb, accumulate: bool, fast_accum: bool, candidates: int, fallback: str) -> bool:
+    """The extension on out (+)= (a * sa) @ (b * sb)^T: False where it is missing, declines the problem or
+    refused it before (nothing written). A refusal (cuBLASLt has no algorithm for it) is remembered with one
+    warning naming `fallback`, what that problem then runs."""
     ext = cuda_extension()  # None off-GPU
     if ext is None:
         return False
-    if _Refused.keys and _problem_key(out, gqt, xqt, accumulate) in _Refused.keys:
+    if _Refused.keys and _problem_key(out, a, b, accumulate) in _Refused.keys:
         return False
     try:
-        return ext.fp8_wgrad(out, gqt, sg, xqt, sx, accumulate, False)
+        return ext.fp8_gemm(out, a, sa, b, sb, accumulate, fast_accum, candidates)
     except torch.OutOfMemoryError:
         raise  # a transient condition of this call, not a property of the problem
     except RuntimeError as e:  # every check comes before the launch: nothing was written
-        _Refused.keys.add(_problem_key(out, gqt, xqt, accumulate))
-        warnings.warn(f"megacoat: the FP8 weight-gradient GEMM extension refused a problem ({str(e)[:300]}); "
-                      "that problem uses _scaled_mm and an add for the rest of this run (slower)", stacklevel=2)
+        _Refused.keys.add(_problem_key(out, a, b, accumulate))
+        warnings.warn(f"megacoat: the FP8 GEMM extension refused a problem ({str(e)[:300]}); that problem uses "
+                      f"{fallback} for the rest of this run (slower)", stacklevel=3)
         return False
+
+
+def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
+                   accumulate: bool, candidates: int = 1) -> bool:
+    """Runs the extension when it exists and takes the problem; False otherwise (nothing written).
+
+    The extension decides what it takes (csrc/fp8_gemm.cu `takes`: every tensor on one GPU; out a
+    contiguous fp32 [N, K]; gqt [N, T] and xqt [K, T] contiguous FP8, not both e5m2; N, K, T non-zero
+    multiples of 16; one-element fp32 scales; every pointer 16-byte aligned) and returns False for the rest:
+    in C++, because these checks in Python cost more host time than the launch, on every micro-batch of
+    every linear. `candidates` > 1: the fastest of that many cuBLASLt algorithms, timed on the problem's first
+    call (--fp8-gemm-candidates)."""
+    return _run_extension(out, gqt, sg, xqt, sx, accumulate, False, candidates, "_scaled_mm and an add")
+
+
+def tuned_gemm_available() -> bool:
+    """Whether the tuned FP8 GEMM (`fp8_gemm_tuned`) can run here: the extension built (asked outside compiled
+    code, once: the answer is then a constant)."""
+    return cuda_extension() is not None
+
+
+@torch.library.custom_op("megacoat::fp8_gemm_tuned", mutates_args=())
+def fp8_gemm_tuned(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+                   fast_accum: bool, candidates: int) -> torch.Tensor:
+    """(a [M, K] * sa) @ (bt [N, K] * sb)^T through the extension with the fastest of `candidates` cuBLASLt
+    algorithms (timed on the shape's first call); torch._scaled_mm where the extension declines the problem.
+    A custom op: compiled graphs keep it whole (its tuning synchronizes once per shape)."""
+    out = torch.empty(a.shape[0], bt.shape[0], dtype=out_dtype, device=a.device)
+    if _run_extension(out, a, sa, bt, sb, False, fast_accum, candidates, "torch._scaled_mm"):
+        return out
+    return torch._scaled_mm(a, bt.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@fp8_gemm_tuned.register_fake
+def _(a, sa, bt, sb, out_dtype, fast_accum, candidates):
+    return a.new_empty(a.shape[0], bt.shape[0], dtype=out_dtype)

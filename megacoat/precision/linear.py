@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.fp8 import fp8_gemm_reference
-from ..kernels.fp8_wgrad import fp8_wgrad_gemm
+from ..kernels.fp8_wgrad import fp8_gemm_tuned, fp8_wgrad_gemm, tuned_gemm_available
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
@@ -72,11 +72,15 @@ def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor, hw: Optional[bool]) -> bool
 
 
 def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-             fast_accum: bool = False, hw: Optional[bool] = None) -> torch.Tensor:
+             fast_accum: bool = False, hw: Optional[bool] = None, candidates: int = 1) -> torch.Tensor:
     """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major. `hw`: whether
     the device has FP8 GEMMs (None: ask). Odd shapes (a dim not a multiple of 16) and e5m2 x e5m2 run
-    the emulation."""
+    the emulation. `candidates` > 1: the cuBLASLt extension with the fastest of that many algorithms
+    (--fp8-gemm-candidates), where it exists."""
     if _scaled_mm_ok(a, bt, hw):
+        if candidates > 1 and tuned_gemm_available():
+            return fp8_gemm_tuned(a, sa.float().reshape(()), bt, sb.float().reshape(()), out_dtype, fast_accum,
+                                  candidates)
         out = torch._scaled_mm(a, bt.t(), scale_a=sa.float().reshape(()), scale_b=sb.float().reshape(()),
                                out_dtype=out_dtype, use_fast_accum=fast_accum)
         return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
@@ -84,7 +88,7 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tens
 
 
 def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
-               overwrite: torch.Tensor, hw: bool) -> None:
+               overwrite: torch.Tensor, hw: bool, candidates: int = 1) -> None:
     """main_grad (+)= (gqt * sg) @ (xqt * sx)^T in fp32. The one-element CPU flag `overwrite` (the
     optimizer's: this is the step's first gradient) makes the GEMM write main_grad straight from its
     epilogue (no temporary, no stale read); later micro-batches add in the epilogue too (cuBLASLt with
@@ -95,7 +99,8 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
     shape = main_grad.shape
     mg = main_grad.view(gqt.shape[0], xqt.shape[0])
     # The extension checks the problem itself (cheaper than here: this runs per micro-batch and linear).
-    written = hw and main_grad.dtype == torch.float32 and fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first)
+    written = hw and main_grad.dtype == torch.float32 and fp8_wgrad_gemm(mg, gqt, sg, xqt, sx, accumulate=not first,
+                                                                             candidates=candidates)
     if not written and main_grad.dtype == torch.float32 and _scaled_mm_ok(gqt, xqt, hw):
         if first and main_grad.is_contiguous() and scaled_mm_writes_out(gqt.device):
             try:
@@ -136,24 +141,25 @@ def _scaled_mm_out_probe(device_type: str, index: int) -> bool:
 
 @torch.library.custom_op("megacoat::fp8_wgrad", mutates_args=())
 def _fp8_wgrad_op(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
-                  overwrite: torch.Tensor, hw: bool, weight_dtype: torch.dtype) -> torch.Tensor:
+                  overwrite: torch.Tensor, hw: bool, weight_dtype: torch.dtype, candidates: int) -> torch.Tensor:
     """Writes main_grad and the flag undeclared and returns the placeholder weight gradient: declared
     mutations of bucket views break compiled layers (kernels/wgrad.py explains)."""
-    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw, candidates)
     return placeholder_grad(main_grad, weight_dtype)
 
 
 @_fp8_wgrad_op.register_fake
-def _(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype) -> torch.Tensor:
+def _(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype, candidates) -> torch.Tensor:
     return placeholder_grad(main_grad, weight_dtype)
 
 
-def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: torch.dtype) -> torch.Tensor:
+def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: torch.dtype,
+              candidates: int = 1) -> torch.Tensor:
     """main_grad (+)= the FP8 weight gradient; returns the placeholder gradient of the weight. Eager: the
     implementation (no custom-op dispatch cost); compiled: the opaque op."""
     if fp8.is_compiling():
-        return _fp8_wgrad_op(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype)
-    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw)
+        return _fp8_wgrad_op(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype, candidates)
+    _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw, candidates)
     return placeholder_grad(main_grad, weight_dtype)
 
 
@@ -216,6 +222,7 @@ class _Opts:
     hw_gemm: bool            # the device has FP8 GEMMs (decided outside compiled code)
     activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
     grad_amax_token: bool = False  # also return a token whose gradient is max |output gradient| (see fp8_linear)
+    gemm_candidates: int = 1  # cuBLASLt algorithms timed per GEMM shape (--fp8-gemm-candidates)
 
 
 # torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).
@@ -250,7 +257,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if transient:  # no cache: cast W now, W^T again in backward (only the bf16 weight is kept)
             w_amax = fp8.amax(weight.detach())
             wq, _, w_scale = fp8.cast_tensorwise(weight.detach(), w_amax, opts.fwd_fmt, False)
-        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm)
+        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm, candidates=opts.gemm_candidates)
         if bias is not None:
             y = y + bias
         act_saved = (None, None)
@@ -295,7 +302,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
-        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm)
+        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates)
         if opts.sp_group is not None:
             dx = reduce_scatter_first(dx, opts.sp_group)
         dx = dx.view(ctx.in_shape)
@@ -305,9 +312,10 @@ class _Fp8LinearFn(torch.autograd.Function):
             _, xqt, _ = fp8.cast_tensorwise(x_saved, x_amax, opts.fwd_fmt, True, rowwise=False)
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
-            dw = fp8_wgrad(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm, w_dtype)  # placeholder
+            dw = fp8_wgrad(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm, w_dtype,  # placeholder
+                           opts.gemm_candidates)
         else:
-            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm).view(w_shape)
+            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates).view(w_shape)
         db = g2.sum(0) if ctx.has_bias else None
         return dx, None, dw, db, None, None, None, None, None, None
 
@@ -343,7 +351,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
     opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm, activation,
-                 grad_amax_token)
+                 grad_amax_token, recipe.gemm_candidates)
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
                               main_grad if fuse else None, overwrite if fuse else None, opts)
 

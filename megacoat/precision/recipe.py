@@ -30,6 +30,8 @@ class Fp8Recipe:
     # Keep each weight's FP8 copy (W and W^T, 2 bytes/element) for the whole step (--fp8-weight-cache;
     # resolve_precision decides under auto).
     cache_weights: bool = True
+    # cuBLASLt algorithms timed per GEMM shape on its first call (--fp8-gemm-candidates; 1: the heuristic's).
+    gemm_candidates: int = 1
 
     @property
     def name(self) -> str:
@@ -72,7 +74,8 @@ def resolve_fp8(pr: PrecisionConfig) -> Optional[Fp8Recipe]:
         raise ValueError(f"--fp8-format {pr.fp8_format!r}: use hybrid or e4m3")
     if pr.fp8_recipe not in ("tensorwise", "coat"):
         raise ValueError(f"--fp8-recipe {pr.fp8_recipe!r}: use tensorwise or coat")
-    return Fp8Recipe("e4m3", "e5m2" if pr.fp8_format == "hybrid" else "e4m3", pr.fp8_recipe == "coat")
+    return Fp8Recipe("e4m3", "e5m2" if pr.fp8_format == "hybrid" else "e4m3", pr.fp8_recipe == "coat",
+                     gemm_candidates=pr.fp8_gemm_candidates)
 
 
 def keep_fp8_weights(choice: str, num_microbatches: int, overlap_param_gather: bool) -> bool:
