@@ -83,12 +83,6 @@ def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: 
     return _run_extension(out, gqt, sg, xqt, sx, accumulate, False, candidates, "_scaled_mm and an add")
 
 
-def tuned_gemm_available() -> bool:
-    """Whether the tuned FP8 GEMM (`fp8_gemm_tuned`) can run here: the extension built (asked outside compiled
-    code, once: the answer is then a constant)."""
-    return cuda_extension() is not None
-
-
 @torch.library.custom_op("megacoat::fp8_gemm_tuned", mutates_args=())
 def fp8_gemm_tuned(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                    fast_accum: bool, candidates: int) -> torch.Tensor:

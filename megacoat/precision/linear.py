@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.fp8 import fp8_gemm_reference
-from ..kernels.fp8_wgrad import fp8_gemm_tuned, fp8_wgrad_gemm, tuned_gemm_available
+from ..kernels.fp8_wgrad import fp8_gemm_tuned, fp8_wgrad_gemm
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
@@ -78,7 +78,7 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tens
     the emulation. `candidates` > 1: the cuBLASLt extension with the fastest of that many algorithms
     (--fp8-gemm-candidates), where it exists."""
     if _scaled_mm_ok(a, bt, hw):
-        if candidates > 1 and tuned_gemm_available():
+        if candidates > 1:  # the op runs _scaled_mm itself where the extension is missing or declines
             return fp8_gemm_tuned(a, sa.float().reshape(()), bt, sb.float().reshape(()), out_dtype, fast_accum,
                                   candidates)
         out = torch._scaled_mm(a, bt.t(), scale_a=sa.float().reshape(()), scale_b=sb.float().reshape(()),
