@@ -13,6 +13,7 @@
 // column-major [K, N] (ld K, transposed) and B = a seen as column-major [K, M] (ld K): both operands
 // are read K-major (K contiguous), which is what the FP8 tensor-core kernels want.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -147,6 +149,15 @@ double time_algo(cublasLtHandle_t handle, const MatmulDesc& desc, const Layout& 
 
 std::string dtype_name(const torch::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
+// One workspace per (device, stream), kept for the run (call under algo_mutex): allocating 32 MiB per call cost
+// host time on every GEMM. Never freed: the map outlives the CUDA context at exit.
+void* workspace_for(const torch::Tensor& like, cudaStream_t stream) {
+  static auto* spaces = new std::map<std::pair<int, cudaStream_t>, torch::Tensor>();
+  auto& w = (*spaces)[{like.get_device(), stream}];
+  if (!w.defined()) w = at::empty({static_cast<int64_t>(kWorkspace)}, like.options().dtype(at::kByte));
+  return w.data_ptr();
+}
+
 }  // namespace
 
 // Returns false (nothing written) for a problem it does not take (see `takes`); raises when cuBLASLt
@@ -179,11 +190,12 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;  // no timing (it synchronizes) inside a graph
   const Key key{m, n, k, (int)ta, (int)tb, (int)tc, al_a, al_b, al_c, accumulate, fast_accum, out.get_device()};
-  auto workspace = at::empty({static_cast<int64_t>(kWorkspace)}, out.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   cublasLtMatmulAlgo_t algo;
+  void* workspace = nullptr;
   {
     std::lock_guard<std::mutex> lock(algo_mutex);
+    workspace = workspace_for(out, stream);
     auto it = algo_cache.find(key);
     // A choice made from fewer algorithms than asked for now is made again (not while capturing a graph).
     if (it != algo_cache.end() && (it->second.candidates >= candidates || capturing)) {
@@ -211,7 +223,7 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
         for (int i = 0; i < found; ++i) {
           ms[i] = heur[i].state == CUBLAS_STATUS_SUCCESS
                       ? time_algo(handle, desc, la, lb, lc, b.data_ptr(), a.data_ptr(), scratch, beta, heur[i].algo,
-                                  workspace.data_ptr(), stream)
+                                  workspace, stream)
                       : -1.0;
           if (ms[i] >= 0 && (ms[best] < 0 || ms[i] < ms[best])) best = i;
         }
@@ -224,9 +236,94 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
     }
   }
   check_lt(cublasLtMatmul(handle, desc.d, &alpha, b.data_ptr(), la.l, a.data_ptr(), lb.l, &beta, out.data_ptr(), lc.l,
-                          out.data_ptr(), lc.l, &algo, workspace.data_ptr(), kWorkspace, stream),
+                          out.data_ptr(), lc.l, &algo, workspace, kWorkspace, stream),
            "cublasLtMatmul");
   return true;
+}
+
+namespace {
+
+// Problems cuBLASLt refused (no algorithm): they run the fallback for the rest of the run, after one warning.
+std::set<std::tuple<int64_t, int64_t, int64_t, int, int, int, bool>> refused;
+
+// fp8_gemm, or false where it declines the problem or cuBLASLt refuses it (remembered, one warning).
+bool gemm_or_decline(torch::Tensor out, const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
+                     const torch::Tensor& sb, bool accumulate, bool fast_accum, int64_t candidates) {
+  const auto key = std::make_tuple(a.size(0), b.size(0), a.dim() == 2 ? a.size(1) : 0, (int)a.scalar_type(),
+                                   (int)b.scalar_type(), (int)out.scalar_type(), accumulate);
+  {
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    if (!refused.empty() && refused.count(key)) return false;
+  }
+  try {
+    return fp8_gemm(out, a, sa, b, sb, accumulate, fast_accum, candidates);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // a condition of this call, not of the problem
+  } catch (const c10::Error& e) {  // every check comes before the launch: nothing was written
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    refused.insert(key);
+    TORCH_WARN("megacoat fp8_gemm: cuBLASLt refused a problem (", e.what_without_backtrace(),
+               "); it runs torch._scaled_mm for the rest of this run (slower)");
+    return false;
+  }
+}
+
+}  // namespace
+
+// The FP8 linear's forward and dgrad GEMM as a dispatcher op (megacoat_lt::fp8_mm): (a * sa) @ (b * sb)^T in
+// out_dtype. One C++ call from compiled graphs: torch._scaled_mm asks cuBLASLt's heuristic on every call and a
+// Python custom op adds its wrapper; together ~100 us of host time per GEMM, which made the coat step
+// host-bound (H200 host profile, 2026-12-02).
+torch::Tensor fp8_mm_op(const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
+                        const torch::Tensor& sb, at::ScalarType out_dtype, bool fast_accum, int64_t candidates) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "megacoat_lt::fp8_mm: 2-D operands expected");
+  auto out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+  if (gemm_or_decline(out, a, sa, b, sb, false, fast_accum, candidates)) return out;
+  return at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, out_dtype, fast_accum);
+}
+
+// The FP8 linear's weight gradient into its fp32 main gradient (megacoat_lt::fp8_wgrad): written on the step's
+// first micro-batch (the one-element CPU flag `overwrite`, then cleared), added in the GEMM's epilogue after.
+// Returns the placeholder weight gradient (uninitialised, never read). Writes main_grad and the flag without
+// declaring them (kernels/wgrad.py explains why). A main_grad view the GEMM cannot take (4 bytes off a 16-byte
+// boundary) gets a temporary product and one copy or add.
+torch::Tensor fp8_wgrad_op(const torch::Tensor& main_grad, const torch::Tensor& gqt, const torch::Tensor& sg,
+                           const torch::Tensor& xqt, const torch::Tensor& sx, const torch::Tensor& overwrite,
+                           int64_t candidates, at::ScalarType weight_dtype) {
+  TORCH_CHECK(overwrite.device().is_cpu() && overwrite.scalar_type() == at::kBool && overwrite.numel() == 1,
+              "megacoat_lt::fp8_wgrad: the overwrite flag must be a one-element CPU bool tensor");
+  TORCH_CHECK(main_grad.storage().nbytes() >=
+                  static_cast<size_t>((main_grad.storage_offset() + main_grad.numel()) * main_grad.element_size()),
+              "a gradient arrived for a parameter whose gradient buffer is released (its bucket was not re-allocated "
+              "before this backward: the model did not call its pre_backward_hook before this module's backward; a "
+              "module used outside GPTModel.forward?)");
+  TORCH_CHECK(gqt.dim() == 2 && xqt.dim() == 2 && main_grad.numel() == gqt.size(0) * xqt.size(0) &&
+                  main_grad.scalar_type() == at::kFloat && main_grad.is_contiguous(),
+              "megacoat_lt::fp8_wgrad: main_grad must be a contiguous fp32 tensor of ", gqt.size(0), " x ",
+              xqt.size(0), " elements");
+  bool* flag = overwrite.data_ptr<bool>();
+  const bool first = *flag;
+  auto mg = main_grad.view({gqt.size(0), xqt.size(0)});
+  if (!gemm_or_decline(mg, gqt, sg, xqt, sx, !first, false, candidates)) {
+    auto dw = at::empty(mg.sizes(), mg.options());
+    if (!gemm_or_decline(dw, gqt, sg, xqt, sx, false, false, candidates))
+      dw = at::_scaled_mm(gqt, xqt.t(), sg, sx, std::nullopt, std::nullopt, at::kFloat, false);
+    if (first) mg.copy_(dw); else mg.add_(dw);
+  }
+  *flag = false;
+  return at::empty(main_grad.sizes(), main_grad.options().dtype(weight_dtype));
+}
+
+TORCH_LIBRARY(megacoat_lt, m) {
+  m.def("fp8_mm(Tensor a, Tensor sa, Tensor b, Tensor sb, ScalarType out_dtype, bool fast_accum, int candidates) "
+        "-> Tensor");
+  m.def("fp8_wgrad(Tensor main_grad, Tensor gqt, Tensor sg, Tensor xqt, Tensor sx, Tensor overwrite, int candidates, "
+        "ScalarType weight_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(megacoat_lt, CUDA, m) {
+  m.impl("fp8_mm", &fp8_mm_op);
+  m.impl("fp8_wgrad", &fp8_wgrad_op);
 }
 
 std::vector<Report> tuning_report() {

@@ -271,16 +271,49 @@ def test_bf16_output_and_tuned_algorithms_on_gpu(candidates, accumulate):
 
 
 @gpu
-def test_tuned_gemm_compiles_whole_and_matches_scaled_mm_on_gpu():
-    """The FP8 linear's GEMM under --fp8-gemm-candidates (the `megacoat::fp8_gemm_tuned` custom op) inside
-    torch.compile with fullgraph (no graph break): within the accumulation bound of torch._scaled_mm's result."""
+@pytest.mark.parametrize("candidates", [1, 8])
+def test_lt_fp8_mm_compiles_whole_and_matches_scaled_mm_on_gpu(candidates):
+    """The FP8 linear's forward/dgrad GEMM through the extension's C++ op (`megacoat_lt::fp8_mm`) inside
+    torch.compile with fullgraph (no graph break), heuristic or tuned: within the accumulation bound of
+    torch._scaled_mm's result, bf16 out; an odd shape takes the emulation."""
     _need_extension()
+    assert W.lt_gemm_ops() is not None
     m, n, k = 512, 384, 1024
     a, sa = _codes((m, k), "e4m3", 80, "cuda")
-    b, sb = _codes((n, k), "e4m3", 81, "cuda")
-    fn = torch.compile(lambda a, sa, b, sb: L.fp8_gemm(a, sa, b, sb, torch.bfloat16, False, True, 8), fullgraph=True)
+    b, sb = _codes((n, k), "e5m2", 81, "cuda")
+    fn = torch.compile(lambda a, sa, b, sb: L.fp8_gemm(a, sa, b, sb, torch.bfloat16, False, True, candidates, True),
+                       fullgraph=True)
     got = fn(a, sa, b, sb)
     ref = torch._scaled_mm(a, b.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.float32)
     bound = _abs_product(a, sa, b, sb)
     err = (got.double() - ref.double()).abs()
     assert got.dtype == torch.bfloat16 and bool((err <= 2 ** -8 * bound + 2 ** -8 * ref.double().abs()).all())
+    odd = L.fp8_gemm(a[:, :1000].contiguous(), sa, b[:, :1000].contiguous(), sb, torch.bfloat16, False, True,
+                     candidates, True)
+    assert odd.shape == (m, n)
+
+
+@gpu
+@pytest.mark.parametrize("offset", [0, 1])
+def test_lt_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset):
+    """The weight gradient through the extension's C++ op (`megacoat_lt::fp8_wgrad`, via the FP8 linear's
+    `fp8_wgrad`) over three micro-batches, eager and compiled: stale NaNs overwritten by the first, the others
+    added; the flag cleared; offset 1 (a view 4 bytes off 16) through the op's temporary-and-add path."""
+    _need_extension()
+    n, k, t = 96, 64, 128
+    compiled = torch.compile(lambda *a: L.fp8_wgrad(*a), fullgraph=True)
+    for run in (L.fp8_wgrad, compiled):
+        bucket = torch.full((n * k + 4,), float("nan"), device="cuda")
+        mg = bucket[offset:offset + n * k].view(n, k)
+        flag = torch.ones(1, dtype=torch.bool)
+        expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
+        bound = torch.zeros_like(expect)
+        for seed in range(3):
+            gqt, sg = _codes((n, t), "e5m2", 90 + seed, "cuda")
+            xqt, sx = _codes((k, t), "e4m3", 95 + seed, "cuda")
+            dw = run(mg, gqt, sg, xqt, sx, flag, True, torch.bfloat16, 1, True)
+            assert dw.shape == (n, k) and dw.dtype == torch.bfloat16 and not flag.item()
+            expect = _exact(expect, gqt, sg, xqt, sx, True)
+            bound += _abs_product(gqt, sg, xqt, sx)
+        torch.cuda.synchronize()
+        _assert_close_to(mg, expect, bound, f"three micro-batches, offset {offset}, {run}")

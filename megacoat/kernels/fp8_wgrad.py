@@ -83,18 +83,18 @@ def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: 
     return _run_extension(out, gqt, sg, xqt, sx, accumulate, False, candidates, "_scaled_mm and an add")
 
 
-@torch.library.custom_op("megacoat::fp8_gemm_tuned", mutates_args=())
-def fp8_gemm_tuned(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-                   fast_accum: bool, candidates: int) -> torch.Tensor:
-    """(a [M, K] * sa) @ (bt [N, K] * sb)^T through the extension with the fastest of `candidates` cuBLASLt
-    algorithms (timed on the shape's first call); torch._scaled_mm where the extension declines the problem.
-    A custom op: compiled graphs keep it whole (its tuning synchronizes once per shape)."""
-    out = torch.empty(a.shape[0], bt.shape[0], dtype=out_dtype, device=a.device)
-    if _run_extension(out, a, sa, bt, sb, False, fast_accum, candidates, "torch._scaled_mm"):
-        return out
-    return torch._scaled_mm(a, bt.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
-
-
-@fp8_gemm_tuned.register_fake
-def _(a, sa, bt, sb, out_dtype, fast_accum, candidates):
-    return a.new_empty(a.shape[0], bt.shape[0], dtype=out_dtype)
+@lru_cache(maxsize=None)
+def lt_gemm_ops():
+    """The extension's dispatcher ops (`torch.ops.megacoat_lt`: fp8_mm, the forward and dgrad GEMM; fp8_wgrad, the
+    weight gradient into main_grad) with their fake kernels registered for torch.compile, or None where the
+    extension is missing. Ask outside compiled code (at layer construction): asked inside, the import breaks the
+    graph. C++ ops, not Python custom ops: the Python wrapper and torch._scaled_mm's per-call heuristic query cost
+    ~100 us of host time per GEMM, which made the coat step host-bound on the H200."""
+    if cuda_extension() is None:
+        return None
+    torch.library.register_fake("megacoat_lt::fp8_mm")(
+        lambda a, sa, b, sb, out_dtype, fast_accum, candidates: a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype))
+    torch.library.register_fake("megacoat_lt::fp8_wgrad")(
+        lambda main_grad, gqt, sg, xqt, sx, overwrite, candidates, weight_dtype:
+        main_grad.new_empty(main_grad.shape, dtype=weight_dtype))
+    return torch.ops.megacoat_lt

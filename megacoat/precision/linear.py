@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.fp8 import fp8_gemm_reference
-from ..kernels.fp8_wgrad import fp8_gemm_tuned, fp8_wgrad_gemm
+from ..kernels.fp8_wgrad import fp8_wgrad_gemm, lt_gemm_ops
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
@@ -72,15 +72,16 @@ def _scaled_mm_ok(a: torch.Tensor, bt: torch.Tensor, hw: Optional[bool]) -> bool
 
 
 def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-             fast_accum: bool = False, hw: Optional[bool] = None, candidates: int = 1) -> torch.Tensor:
+             fast_accum: bool = False, hw: Optional[bool] = None, candidates: int = 1, lt: bool = False) -> torch.Tensor:
     """a [M, K] @ bt [N, K]^T with per-tensor fp32 scales; both operands FP8 row-major. `hw`: whether
     the device has FP8 GEMMs (None: ask). Odd shapes (a dim not a multiple of 16) and e5m2 x e5m2 run
-    the emulation. `candidates` > 1: the cuBLASLt extension with the fastest of that many algorithms
-    (--fp8-gemm-candidates), where it exists."""
+    the emulation. `lt`: the extension's ops exist (`lt_gemm_ops()`, asked outside compiled code): its C++ op
+    runs the GEMM with a cached cuBLASLt algorithm, the fastest of `candidates` (--fp8-gemm-candidates);
+    False: torch._scaled_mm."""
     if _scaled_mm_ok(a, bt, hw):
-        if candidates > 1:  # the op runs _scaled_mm itself where the extension is missing or declines
-            return fp8_gemm_tuned(a, sa.float().reshape(()), bt, sb.float().reshape(()), out_dtype, fast_accum,
-                                  candidates)
+        if lt:
+            return torch.ops.megacoat_lt.fp8_mm(a, sa.float().reshape(()), bt, sb.float().reshape(()), out_dtype,
+                                                fast_accum, candidates)
         out = torch._scaled_mm(a, bt.t(), scale_a=sa.float().reshape(()), scale_b=sb.float().reshape(()),
                                out_dtype=out_dtype, use_fast_accum=fast_accum)
         return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
@@ -154,9 +155,13 @@ def _(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype, candidates) -> t
 
 
 def fp8_wgrad(main_grad, gqt, sg, xqt, sx, overwrite, hw: bool, weight_dtype: torch.dtype,
-              candidates: int = 1) -> torch.Tensor:
-    """main_grad (+)= the FP8 weight gradient; returns the placeholder gradient of the weight. Eager: the
-    implementation (no custom-op dispatch cost); compiled: the opaque op."""
+              candidates: int = 1, lt: bool = False) -> torch.Tensor:
+    """main_grad (+)= the FP8 weight gradient; returns the placeholder gradient of the weight. With the
+    extension's ops (`lt`, see fp8_gemm) and a problem its GEMM takes: its C++ op; otherwise eager: the
+    implementation (no custom-op dispatch cost); compiled: the opaque Python op."""
+    if lt and main_grad.dtype == torch.float32 and main_grad.is_contiguous() and _scaled_mm_ok(gqt, xqt, hw):
+        return torch.ops.megacoat_lt.fp8_wgrad(main_grad, gqt, sg.float().reshape(()), xqt, sx.float().reshape(()),
+                                               overwrite, candidates, weight_dtype)
     if fp8.is_compiling():
         return _fp8_wgrad_op(main_grad, gqt, sg, xqt, sx, overwrite, hw, weight_dtype, candidates)
     _fp8_wgrad_impl(main_grad, gqt, sg, xqt, sx, overwrite, hw, candidates)
@@ -223,6 +228,7 @@ class _Opts:
     activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
     grad_amax_token: bool = False  # also return a token whose gradient is max |output gradient| (see fp8_linear)
     gemm_candidates: int = 1  # cuBLASLt algorithms timed per GEMM shape (--fp8-gemm-candidates)
+    lt: bool = False  # the extension's GEMM ops exist (kernels.fp8_wgrad.lt_gemm_ops); False: _scaled_mm
 
 
 # torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).
@@ -257,7 +263,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         if transient:  # no cache: cast W now, W^T again in backward (only the bf16 weight is kept)
             w_amax = fp8.amax(weight.detach())
             wq, _, w_scale = fp8.cast_tensorwise(weight.detach(), w_amax, opts.fwd_fmt, False)
-        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm, candidates=opts.gemm_candidates)
+        y = fp8_gemm(xq, sx, wq, w_scale, x.dtype, fast_accum=True, hw=opts.hw_gemm, candidates=opts.gemm_candidates,
+                     lt=opts.lt)
         if bias is not None:
             y = y + bias
         act_saved = (None, None)
@@ -302,7 +309,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         n = g.shape[-1]
         g2 = g.reshape(-1, n)
         gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
-        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates)
+        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates, lt=opts.lt)
         if opts.sp_group is not None:
             dx = reduce_scatter_first(dx, opts.sp_group)
         dx = dx.view(ctx.in_shape)
@@ -313,9 +320,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         w_shape, w_dtype = ctx.w_meta
         if opts.has_main_grad:
             dw = fp8_wgrad(ctx.main_grad, gqt, sg, xqt, sx, ctx.overwrite, opts.hw_gemm, w_dtype,  # placeholder
-                           opts.gemm_candidates)
+                           opts.gemm_candidates, opts.lt)
         else:
-            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates).view(w_shape)
+            dw = fp8_gemm(gqt, sg, xqt, sx, w_dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates,
+                          lt=opts.lt).view(w_shape)
         db = g2.sum(0) if ctx.has_bias else None
         return dx, None, dw, db, None, None, None, None, None, None
 
@@ -323,7 +331,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cache: Fp8WeightCache,
                recipe: Fp8Recipe, x_amax: Optional[torch.Tensor] = None, sp_group=None,
                fuse_wgrad: bool = False, hw_gemm: Optional[bool] = None, activation: Optional[str] = None,
-               grad_amax_token: bool = False):
+               grad_amax_token: bool = False, lt_gemm: bool = False):
     """y = x W^T + b in FP8. `x_amax`: max |x| if the producer emitted it (saves the amax pass).
     `sp_group`: gather x over this group first (column-parallel under SP; coat gathers FP8).
     `activation="swiglu"` (coat): returns (silu(gate) * up of y = [gate; up], its amax) through the fused
@@ -333,7 +341,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     gradient, and this linear's backward casts dy with it instead of an amax pass of its own. Every token must
     reach such a consumer: in eager code a dropped token's gradient is None and the linear makes its own pass,
     but inside torch.compile'd code it arrives as zeros (AOTAutograd materializes it), an amax of 0 that would
-    saturate the whole gradient."""
+    saturate the whole gradient.
+    `lt_gemm`: the GEMMs run the extension's C++ ops (`Fp8LinearImpl` asks `lt_gemm_ops()` at construction)."""
     if activation not in (None, "swiglu"):
         raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
     if grad_amax_token and activation is not None:
@@ -351,7 +360,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if sp_group is not None and not recipe.fp8_activations:
         raise ValueError("the FP8 gather under sequence parallelism is the coat recipe's; tensorwise gathers bf16")
     opts = _Opts(recipe.fwd_format, recipe.grad_format, recipe.fp8_activations, sp_group, fuse, hw_gemm, activation,
-                 grad_amax_token, recipe.gemm_candidates)
+                 grad_amax_token, recipe.gemm_candidates, bool(lt_gemm and hw_gemm))
     return _Fp8LinearFn.apply(x, x_amax, weight, bias, cache.wq, cache.wqt, cache.scale,
                               main_grad if fuse else None, overwrite if fuse else None, opts)
 
@@ -364,6 +373,8 @@ class Fp8LinearImpl:
     def __init__(self, recipe: Fp8Recipe, device=None):
         self.recipe = recipe
         self.hw_gemm = device_has_fp8_gemm(device) if device is not None else None
+        # The extension's C++ GEMM ops: decided here, outside compiled code (loading them inside breaks the graph).
+        self.lt_gemm = bool(self.hw_gemm) and lt_gemm_ops() is not None
 
     def make_cache(self) -> Fp8WeightCache:
         return Fp8WeightCache(self.recipe.fwd_format, persistent=self.recipe.cache_weights)
@@ -381,7 +392,7 @@ class Fp8LinearImpl:
                  grad_amax_token=False):
         return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
                           fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation,
-                          grad_amax_token=grad_amax_token)
+                          grad_amax_token=grad_amax_token, lt_gemm=self.lt_gemm)
 
 
 def _fp8_caches(module: nn.Module):
