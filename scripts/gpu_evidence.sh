@@ -10,7 +10,7 @@
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
 #   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
 #                   bf16_cudagraphs / coat_cudagraphs: with TORCHINDUCTOR_CUDAGRAPHS=1, coat_castperuse: --fp8-weight-cache none,
-#                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion, coat_tuned: --fp8-gemm-candidates 16,
+#                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion, coat_heuristic: --fp8-gemm-candidates 1,
 #                   only when named); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
@@ -166,7 +166,7 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
-  c1 coat_tuned && mc c1_coat_tuned${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-gemm-candidates 16
+  c1 coat_heuristic && mc c1_coat_heuristic${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-gemm-candidates 1
   # The loss through torch operations on an fp32 copy of the logits instead of the fused kernels (only when named)
   c1 bf16_eagerce && mc c1_bf16_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-cross-entropy-loss-fusion
   c1 coat_eagerce && mc c1_coat_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-cross-entropy-loss-fusion

@@ -133,3 +133,16 @@ def test_allocator_default_leaves_a_configured_or_started_allocator_alone(monkey
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
     assert not default_cuda_allocator_settings() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_help_lists_every_flag():
+    """`pretrain_gpt.py --help` prints (argparse formats help texts with %: a bare "95%" in one once broke it)."""
+    import contextlib
+    import io
+
+    from megacoat.config import build_parser
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    assert "--fp8-gemm-candidates" in out.getvalue() and "95%" in out.getvalue()

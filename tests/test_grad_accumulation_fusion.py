@@ -272,3 +272,22 @@ def test_pre_backward_hook_keeps_stage_outputs_freeable():
     x = model.layers[0](h)
     x = model._before_backward(x, model.layers[0])
     assert x._base is None and x.grad_fn is not None
+
+
+def test_grad_buffer_aligns_every_view_and_zeroes_the_gaps():
+    """Each main_grad view starts a multiple of 16 elements into its bucket (a compiled graph would copy a view
+    that is not 16-byte aligned, and the fused weight-gradient ops would write the copy); the gaps between views
+    read zero after every (re-)allocation, whatever the memory held before."""
+    from megacoat.optim.buffers import VIEW_ALIGN, GradBuffer
+    params = [nn.Parameter(torch.randn(n)) for n in (5, 16, 3, 33)]
+    buf = GradBuffer(params, release_between_steps=True)
+    for _ in range(2):
+        buf.allocate_for(params)
+        bucket = buf.buckets[0]
+        for p in params:
+            assert (p.main_grad.data_ptr() - bucket.data_ptr()) % (VIEW_ALIGN * 4) == 0
+            p.main_grad.fill_(7.0)
+        assert float(bucket.sum()) == 7.0 * sum(p.numel() for p in params)
+        assert buf.padding[0] and all(float(bucket[a:b].abs().sum()) == 0 for a, b in buf.padding[0])
+        bucket.fill_(float("nan"))  # stale memory for the next allocation
+        buf.release()

@@ -71,6 +71,12 @@ class GradAccumulator:
             h.remove()
 
 
+# Every main_grad view of the non-sharded GradBuffer starts a multiple of 16 elements into its bucket: a compiled
+# graph copies an input that is not 16-byte aligned, and the fused weight-gradient ops, which write main_grad without
+# declaring it, would then write that copy and the gradient would be lost.
+VIEW_ALIGN = 16
+
+
 class GradBuffer:
     """The non-sharded optimizer's gradient buffers: one flat tensor per bucket (no weight buffer).
 
@@ -97,13 +103,20 @@ class GradBuffer:
                 current, size = [], 0
         self.buckets: List[torch.Tensor] = []
         self.bucket_of: Dict[int, int] = {}
+        # Gaps between parameters (start, end): zeroed whenever their bucket gets memory (whole-bucket readers
+        # such as the data-parallel all-reduce then see zeros, never stale values).
+        self.padding: List[List[tuple]] = []
         for i, group in enumerate(groups):
-            data = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
-            offset = 0
+            starts, offset = [], 0
             for p in group:
-                p.main_grad = data[offset: offset + p.numel()].view_as(p)
+                starts.append(offset)
+                offset = _round_up(offset + p.numel(), VIEW_ALIGN)
+            data = torch.zeros(offset, dtype=dtype, device=device)
+            for p, start in zip(group, starts):
+                p.main_grad = data[start: start + p.numel()].view_as(p)
                 self.bucket_of[id(p)] = i
-                offset += p.numel()
+            self.padding.append([(a + p.numel(), b) for p, a, b in zip(group, starts, starts[1:] + [offset])
+                                 if a + p.numel() < b])
             self.buckets.append(data)
         self.release_between_steps = release_between_steps
         self.bucket_params = [list(g) for g in groups]
@@ -119,7 +132,12 @@ class GradBuffer:
         """Give the buckets holding `params` their memory (contents undefined: the step's first
         gradient of each parameter overwrites, parameters without one are zeroed in finalize)."""
         for i in {self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of}:
-            _allocate(self.buckets[i])
+            self._allocate_bucket(i)
+
+    def _allocate_bucket(self, i: int) -> None:
+        if _allocate(self.buckets[i]):
+            for a, b in self.padding[i]:
+                self.buckets[i][a:b].zero_()
 
     def release(self) -> None:
         for b in self.buckets:
@@ -129,16 +147,19 @@ class GradBuffer:
         self.accumulator.zero()
 
     def finalize(self) -> None:
-        for b in self.buckets:  # parameters that got no gradient still need zeros to read
-            _allocate(b)
+        for i in range(len(self.buckets)):  # parameters that got no gradient still need zeros to read
+            self._allocate_bucket(i)
         self.accumulator.finalize()
 
 
-def _allocate(t: torch.Tensor) -> None:
+def _allocate(t: torch.Tensor) -> bool:
+    """Give t's storage its memory (contents undefined); True if it had none."""
     nbytes = t.numel() * t.element_size()
     storage = t.untyped_storage()
     if storage.nbytes() < nbytes:
         storage.resize_(nbytes)
+        return True
+    return False
 
 
 PARAM_ALIGN = 128  # see ParamGradBuffer

@@ -31,7 +31,7 @@ class Fp8Recipe:
     # resolve_precision decides under auto).
     cache_weights: bool = True
     # cuBLASLt algorithms timed per GEMM shape on its first call (--fp8-gemm-candidates; 1: the heuristic's).
-    gemm_candidates: int = 1
+    gemm_candidates: int = 16
 
     @property
     def name(self) -> str:
