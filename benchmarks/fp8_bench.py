@@ -533,7 +533,7 @@ def part_wgrad(args):
     step's first micro-batch (overwrite: `_scaled_mm(out=)` vs the cuBLASLt extension with beta = 0) and
     the later ones (accumulate: `_scaled_mm` into a temporary + add, as before the extension, vs the
     extension with beta = 1). CUDA-graph replays, L2 flushed."""
-    from megacoat.kernels.fp8_wgrad import cuda_extension, fp8_wgrad_gemm
+    from megacoat.kernels.fp8_gemm import cuda_extension, fp8_wgrad_gemm
     shapes = {"1.36B": dict(tokens=8192, h=2048, ffn=5632), "7B": dict(tokens=4096, h=4096, ffn=11008)}
     if SMOKE:
         shapes = {"1.36B": dict(tokens=64, h=64, ffn=176)}
@@ -592,7 +592,7 @@ def part_gemms(args):
     cuBLASLt extension with the heuristic's first algorithm (candidates=1) and tuned (the fastest of up to
     `--gemm-candidates` algorithms, timed on the problem's first call). CUDA-graph replays, L2 flushed; the
     tuned output is checked against _scaled_mm's."""
-    from megacoat.kernels.fp8_wgrad import cuda_extension
+    from megacoat.kernels.fp8_gemm import cuda_extension
     ext = cuda_extension() if DEV == "cuda" else None
     if ext is None:
         return {"extension_built": False}

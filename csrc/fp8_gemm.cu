@@ -117,7 +117,7 @@ bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor
   if (!(sa.scalar_type() == at::kFloat && sb.scalar_type() == at::kFloat && sa.numel() == 1 && sb.numel() == 1)) return false;
   // 16 for out too, not the 4 an fp32 matrix needs: with C/D 4 bytes past a 16-byte boundary (alignment
   // preferences set to 4) cuBLASLt 13 crashed the process on the H200 (a segmentation fault inside the call,
-  // tests/test_fp8_wgrad.py offset 1, 2026-12-01).
+  // tests/test_fp8_gemm.py offset 1, 2026-12-01).
   return alignment(a.data_ptr()) >= 16 && alignment(b.data_ptr()) >= 16 && alignment(out.data_ptr()) >= 16;
 }
 

@@ -82,7 +82,7 @@ stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid=$!
-  MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.fp8_wgrad import cuda_extension as f; print('fp8 gemm extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
+  MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.fp8_gemm import cuda_extension as f; print('fp8 gemm extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid2=$!
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
   wait $pid $pid2

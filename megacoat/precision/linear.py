@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.fp8 import fp8_gemm_reference
-from ..kernels.fp8_wgrad import fp8_wgrad_gemm, lt_gemm_ops
+from ..kernels.fp8_gemm import fp8_wgrad_gemm, lt_gemm_ops
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
@@ -93,7 +93,7 @@ def _fp8_wgrad_impl(main_grad: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor
     """main_grad (+)= (gqt * sg) @ (xqt * sx)^T in fp32. The one-element CPU flag `overwrite` (the
     optimizer's: this is the step's first gradient) makes the GEMM write main_grad straight from its
     epilogue (no temporary, no stale read); later micro-batches add in the epilogue too (cuBLASLt with
-    beta = 1, `kernels/fp8_wgrad.py`), or through a temporary and an add where that extension is missing.
+    beta = 1, `kernels/fp8_gemm.py`), or through a temporary and an add where that extension is missing.
     Clears the flag. A custom op: compiled backward graphs keep it whole and do not trace the flag's host read."""
     first = bool(overwrite.item())  # CPU tensor: no device sync
     require_main_grad_storage(main_grad)
@@ -228,7 +228,7 @@ class _Opts:
     activation: Optional[str] = None  # "swiglu": the output goes through the fused FP8 SwiGLU (coat)
     grad_amax_token: bool = False  # also return a token whose gradient is max |output gradient| (see fp8_linear)
     gemm_candidates: int = 1  # cuBLASLt algorithms timed per GEMM shape (--fp8-gemm-candidates)
-    lt: bool = False  # the extension's GEMM ops exist (kernels.fp8_wgrad.lt_gemm_ops); False: _scaled_mm
+    lt: bool = False  # the extension's GEMM ops exist (kernels.fp8_gemm.lt_gemm_ops); False: _scaled_mm
 
 
 # torch versions whose dynamo traces the FP8 linear's own SP collectives (verified: 2.13 on CPU; 2.11 fails).

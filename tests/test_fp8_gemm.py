@@ -1,18 +1,20 @@
-"""The FP8 weight-gradient GEMM that adds into the fp32 gradient buffer (kernels/fp8_wgrad.py).
+"""The cuBLASLt FP8 GEMM extension (kernels/fp8_gemm.py, csrc/fp8_gemm.cu): the weight gradient added into the
+fp32 gradient buffer, the forward/dgrad GEMM with a bf16 output, algorithm tuning, and the dispatcher ops the FP8
+linear calls (megacoat_lt::fp8_mm, megacoat_lt::fp8_wgrad).
 
 CPU: the reference against a float64 product of the same codes, and the dispatch (the extension is
-never tried off-GPU; the FP8 linear's fallback then runs). GPU (marked): the cuBLASLt extension against
-the reference, overwrite and accumulate, e4m3 x e5m2 and e4m3 x e4m3, several shapes; and the FP8
-linear's wgrad op over three micro-batches. The extension accumulates on the tensor cores with
-periodic fp32 promotion (no fast accumulation), the reference in fp32: they agree to a
-fraction (2^-9) of sum |a||b|, while a wrong scale, layout or beta is off by ~100%.
+never tried off-GPU; the FP8 linear's fallback then runs). GPU (marked): the extension against
+the reference, overwrite and accumulate, e4m3 x e5m2 and e4m3 x e4m3, several shapes, bf16 outputs, tuned
+algorithms; the FP8 linear's wgrad over three micro-batches (Python op and C++ op, eager and compiled). The
+extension accumulates on the tensor cores with periodic fp32 promotion (no fast accumulation), the reference in
+fp32: they agree to a fraction (2^-9) of sum |a||b|, while a wrong scale, layout or beta is off by ~100%.
 """
 import warnings
 
 import pytest
 import torch
 
-from megacoat.kernels import fp8_wgrad as W
+from megacoat.kernels import fp8_gemm as W
 from megacoat.precision import fp8
 from megacoat.precision import linear as L
 from megacoat.precision.linear import _fp8_wgrad_impl
@@ -305,7 +307,7 @@ def test_lt_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset):
     `fp8_wgrad`) over three micro-batches, eager and compiled: stale NaNs overwritten by the first, the others
     added; the flag cleared; offset 1 (a view 4 bytes off 16) through the op's temporary-and-add path, eager only:
     a compiled graph copies an input that is not 16-byte aligned, and the op's undeclared write would go to that
-    copy (the optimizer's gradient buffers align every parameter's view, tests/test_zero.py)."""
+    copy (the gradient buffers start every view 16-element aligned: test_grad_accumulation_fusion.py)."""
     _need_extension()
     n, k, t = 96, 64, 128
     compiled = torch.compile(lambda *a: L.fp8_wgrad(*a), fullgraph=True)
