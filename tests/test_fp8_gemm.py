@@ -210,6 +210,26 @@ def test_extension_declines_what_it_does_not_take():
     assert not W._Refused.keys
 
 
+def _three_micro_batches(offset, seed, wgrad_step):
+    """Three micro-batches of a weight gradient into a NaN-filled flat bucket, through its [96, 64] view starting
+    `offset` floats in: `wgrad_step(main_grad, gqt, sg, xqt, sx, flag)` each (the flag starts set). Returns
+    (main_grad, the exact sum, the sum of |a||b|)."""
+    n, k, t = 96, 64, 128
+    bucket = torch.full((n * k + 4,), float("nan"), device="cuda")
+    mg = bucket[offset:offset + n * k].view(n, k)
+    flag = torch.ones(1, dtype=torch.bool)
+    expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
+    bound = torch.zeros_like(expect)
+    for i in range(3):
+        gqt, sg = _codes((n, t), "e5m2", seed + i, "cuda")
+        xqt, sx = _codes((k, t), "e4m3", seed + 10 + i, "cuda")
+        wgrad_step(mg, gqt, sg, xqt, sx, flag)
+        expect = _exact(expect, gqt, sg, xqt, sx, True)
+        bound += _abs_product(gqt, sg, xqt, sx)
+    torch.cuda.synchronize()
+    return mg, expect, bound
+
+
 @gpu
 @pytest.mark.parametrize("offset", [0, 1])
 def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset, monkeypatch):
@@ -220,20 +240,9 @@ def test_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset, monkeypatch):
     used = []
     real = L.fp8_wgrad_gemm
     monkeypatch.setattr(L, "fp8_wgrad_gemm", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
-    n, k, t = 96, 64, 128
-    bucket = torch.full((n * k + 4,), float("nan"), device="cuda")
-    mg = bucket[offset:offset + n * k]  # a flat bucket view, as the optimizer's
-    flag = torch.ones(1, dtype=torch.bool)
-    expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
-    bound = torch.zeros_like(expect)
-    for seed in range(3):
-        gqt, sg = _codes((n, t), "e5m2", 50 + seed, "cuda")
-        xqt, sx = _codes((k, t), "e4m3", 60 + seed, "cuda")
-        _fp8_wgrad_impl(mg, gqt, sg, xqt, sx, flag, hw=True)
-        expect = _exact(expect, gqt, sg, xqt, sx, True)
-        bound += _abs_product(gqt, sg, xqt, sx)
-    torch.cuda.synchronize()
-    _assert_close_to(mg.view(n, k), expect, bound, f"three micro-batches, offset {offset}")
+    mg, expect, bound = _three_micro_batches(
+        offset, 50, lambda mg, gqt, sg, xqt, sx, flag: _fp8_wgrad_impl(mg, gqt, sg, xqt, sx, flag, hw=True))
+    _assert_close_to(mg, expect, bound, f"three micro-batches, offset {offset}")
     assert len(used) == 3
     if offset == 0:
         assert all(used), f"the extension did not run every micro-batch: {used}"
@@ -309,20 +318,11 @@ def test_lt_fp8_wgrad_op_accumulates_micro_batches_on_gpu(offset):
     a compiled graph copies an input that is not 16-byte aligned, and the op's undeclared write would go to that
     copy (the gradient buffers start every view 16-element aligned: test_grad_accumulation_fusion.py)."""
     _need_extension()
-    n, k, t = 96, 64, 128
     compiled = torch.compile(lambda *a: L.fp8_wgrad(*a), fullgraph=True)
     for run in (L.fp8_wgrad, compiled) if offset == 0 else (L.fp8_wgrad,):
-        bucket = torch.full((n * k + 4,), float("nan"), device="cuda")
-        mg = bucket[offset:offset + n * k].view(n, k)
-        flag = torch.ones(1, dtype=torch.bool)
-        expect = torch.zeros(n, k, dtype=torch.float64, device="cuda")
-        bound = torch.zeros_like(expect)
-        for seed in range(3):
-            gqt, sg = _codes((n, t), "e5m2", 90 + seed, "cuda")
-            xqt, sx = _codes((k, t), "e4m3", 95 + seed, "cuda")
+        def step(mg, gqt, sg, xqt, sx, flag):
             dw = run(mg, gqt, sg, xqt, sx, flag, True, torch.bfloat16, 1, True)
-            assert dw.shape == (n, k) and dw.dtype == torch.bfloat16 and not flag.item()
-            expect = _exact(expect, gqt, sg, xqt, sx, True)
-            bound += _abs_product(gqt, sg, xqt, sx)
-        torch.cuda.synchronize()
+            assert dw.shape == mg.shape and dw.dtype == torch.bfloat16 and not flag.item()
+
+        mg, expect, bound = _three_micro_batches(offset, 90, step)
         _assert_close_to(mg, expect, bound, f"three micro-batches, offset {offset}, {run}")
