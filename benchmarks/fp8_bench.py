@@ -467,6 +467,8 @@ def part_linear(args):
     out = {}
     dev = DEV
     hw = DEV == "cuda"
+    from megacoat.kernels.fp8_gemm import lt_gemm_ops
+    lt = hw and lt_gemm_ops() is not None  # the GEMMs training runs: the extension's C++ ops where they exist
     for name, s in shapes.items():
         t, h, f = s["tokens"], s["h"], s["ffn"]
         linears = {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 2 * f), "fc2": (f, h)}
@@ -492,16 +494,16 @@ def part_linear(args):
             def fp8_path(given=False):
                 wf.main_grad_overwrite.fill_(True)  # one micro-batch per step: the GEMM writes main_grad
                 y = fp8_linear(xf, wf, None, cache, Fp8Recipe(), x_amax=amax if given else None, fuse_wgrad=True,
-                               hw_gemm=hw)
+                               hw_gemm=hw, lt_gemm=lt)
                 y.backward(g)
 
             qx, qxt, sx = fp8.quantize_tensorwise(x, "e4m3", transpose=True)
             qg, qgt, sg = fp8.quantize_tensorwise(g, "e5m2", transpose=True)
 
             def gemms():
-                fp8_gemm(qx, sx, cache.wq, cache.scale, torch.bfloat16, fast_accum=True, hw=hw)
-                fp8_gemm(qg, sg, cache.wqt, cache.scale, torch.bfloat16, hw=hw)
-                fp8_gemm(qgt, sg, qxt, sx, torch.float32, hw=hw)
+                fp8_gemm(qx, sx, cache.wq, cache.scale, torch.bfloat16, fast_accum=True, hw=hw, lt=lt)
+                fp8_gemm(qg, sg, cache.wqt, cache.scale, torch.bfloat16, hw=hw, lt=lt)
+                fp8_gemm(qgt, sg, qxt, sx, torch.float32, hw=hw, lt=lt)
 
             per = dict(bf16_ms=bench_us(bf16, graph=False) / 1000, fp8_ms=bench_us(fp8_path, graph=False) / 1000,
                        fp8_given_amax_ms=bench_us(lambda: fp8_path(True), graph=False) / 1000,

@@ -216,9 +216,17 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
       TORCH_CHECK(found > 0, "megacoat fp8_gemm: cuBLASLt has no FP8 GEMM for [", m, ", ", k, "] x [", n, ", ", k,
                   "]^T with a ", c10::toString(out.scalar_type()), " output on this GPU");
       int64_t best = 0;
+      // Tuning writes a scratch copy (beta = 1 adds into it), never the caller's output. Without memory for it
+      // (a weight gradient's first backward runs near the peak) the heuristic's first choice is kept.
+      torch::Tensor scratch;
       if (found > 1) {
-        // Tuning writes a scratch copy (beta = 1 adds into it), never the caller's output.
-        auto scratch = accumulate ? out.clone() : at::empty_like(out);
+        try {
+          scratch = accumulate ? out.clone() : at::empty_like(out);
+        } catch (const c10::OutOfMemoryError&) {
+          scratch = torch::Tensor();
+        }
+      }
+      if (scratch.defined()) {
         // Rounds over all candidates, each candidate's fastest round kept: a GEMM slowed once by a clock or
         // power swing does not decide. Another algorithm replaces the heuristic's first only when clearly
         // faster (kMargin), so that noise does not change the choice (and the rounding) from run to run.
@@ -271,7 +279,10 @@ bool gemm_or_decline(torch::Tensor out, const torch::Tensor& a, const torch::Ten
     return fp8_gemm(out, a, sa, b, sb, accumulate, fast_accum, candidates);
   } catch (const c10::OutOfMemoryError&) {
     throw;  // a condition of this call, not of the problem
-  } catch (const c10::Error& e) {  // every check comes before the launch: nothing was written
+  } catch (const c10::Error& e) {
+    // Only cuBLASLt's own refusals (this file's checks, which all come before the launch: nothing was written);
+    // a CUDA error (e.g. a sticky one from an earlier kernel) is not a property of the problem.
+    if (std::string(e.what_without_backtrace()).find("megacoat fp8_gemm: ") == std::string::npos) throw;
     std::lock_guard<std::mutex> lock(algo_mutex);
     refused.insert(key);
     TORCH_WARN("megacoat fp8_gemm: cuBLASLt refused a problem (", e.what_without_backtrace(),

@@ -81,7 +81,10 @@ def compiled_tp2_sp_wgrad_phases(rank, world, device_type, coat):
     meaningless, but dynamo/AOTAutograd/inductor build the same graphs): the compiled TP=2 + SP layers run
     forward and backward, and every weight-gradient GEMM (gradient-accumulation fusion) must run in backward.
     Each such GEMM clears its weight's `main_grad_overwrite` flag, whichever op runs it (the Python ops, or on a
-    GPU the extension's C++ op): all flags set after the forward, all clear after the backward."""
+    GPU the extension's C++ op): all flags set after the forward, all clear after the backward. The Python ops'
+    calls are also counted: each exactly once per weight and step, in backward (none where the C++ op runs)."""
+    import megacoat.kernels.wgrad as wgrad
+    import megacoat.precision.linear as fp8_linear
     from megacoat.model.loss import masked_mean_loss
     from megacoat.precision.recipe import Fp8Recipe
 
@@ -93,16 +96,29 @@ def compiled_tp2_sp_wgrad_phases(rank, world, device_type, coat):
     flags = {n: p.main_grad_overwrite for n, p in model.named_parameters()
              if "layers." in n and hasattr(p, "main_grad_overwrite")}
     assert len(flags) == 2 * 4, sorted(flags)  # 2 layers x 4 linears
+    calls, phase = {"forward": 0, "backward": 0}, ["forward"]
+    module, name = (fp8_linear, "_fp8_wgrad_impl") if coat else (wgrad, "_wgrad_accumulate_impl")
+    impl = getattr(module, name)
+
+    def counting(*args):
+        calls[phase[0]] += 1
+        return impl(*args)
+
+    setattr(module, name, counting)
     for _ in range(2):  # the second step runs the graphs built by the first
         opt.zero_grad()
         opt.start_micro_batch(is_last=True)
+        phase[0] = "forward"
         loss = masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
         ran_in_forward = [n for n, f in flags.items() if not f.item()]
         assert not ran_in_forward, f"weight-gradient GEMMs ran in the forward: {ran_in_forward}"
+        phase[0] = "backward"
         loss.backward()
         missing = [n for n, f in flags.items() if f.item()]
         assert not missing, f"weight-gradient GEMMs that did not run in the backward: {missing}"
         opt.grad_buffer.finalize()
+    c_ops = coat and model.layers[0].mlp.fc1.linear_impl.lt_gemm  # the extension's C++ op ran them (GPU)
+    assert calls == {"forward": 0, "backward": 0 if c_ops else 2 * 2 * 4}, calls  # 2 steps x 2 layers x 4 linears
 
 
 @pytest.mark.parametrize("coat", [False, True])

@@ -63,7 +63,9 @@ def _run_extension(out, a, sa, b, sb, accumulate: bool, fast_accum: bool, candid
         return ext.fp8_gemm(out, a, sa, b, sb, accumulate, fast_accum, candidates)
     except torch.OutOfMemoryError:
         raise  # a transient condition of this call, not a property of the problem
-    except RuntimeError as e:  # every check comes before the launch: nothing was written
+    except RuntimeError as e:
+        if "megacoat fp8_gemm: " not in str(e):
+            raise  # a CUDA error, not cuBLASLt refusing the problem (its checks come before the launch)
         _Refused.keys.add(_problem_key(out, a, b, accumulate))
         warnings.warn(f"megacoat: the FP8 GEMM extension refused a problem ({str(e)[:300]}); that problem uses "
                       f"{fallback} for the rest of this run (slower)", stacklevel=3)
