@@ -1,6 +1,6 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--no-profiler] [--by-shape]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--lead-trace] [--no-profiler] [--by-shape]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
@@ -9,6 +9,9 @@ kernels add up to much less than its wall time is waiting on the host (launch ov
 they make) that take the host's time: where a host-bound step spends it. `--phase-times` (GPU) times the
 forward, backward and optimizer phases on the host and on the GPU, without the profiler's overhead.
 `--guard-ab` times steps with dynamo's guard evaluation skipped between two plain runs (a host-time probe).
+`--lead-trace` (GPU) follows steady-state steps without the profiler and without syncs: at every layer's forward
+and backward and around the optimizer, how far the GPU trails the host; where that falls to ~0 the GPU waits
+for launches (where a step that looks GPU-bound in the profiler loses its time).
 """
 import sys
 import time
@@ -86,6 +89,80 @@ def print_phase_times(tr, it, steps: int) -> None:
     for name, (n, host, gpu, behind) in sums.items():
         print(f"  {name:20s} x{n / steps:.0f}/step  host {host / n:7.2f}  GPU {gpu / n:7.2f}  GPU behind the host at its end "
               f"{behind / n:7.2f}")
+
+
+def lead_trace(tr, it, steps: int) -> list:
+    """Steady-state steps without the profiler and without a sync between them: at each layer's forward, each
+    backward hook (a layer's or another module's backward starting) and around the optimizer step, how far
+    the GPU trails the host: the time the GPU reached a CUDA event recorded there minus the time the host
+    recorded it. Near zero means the GPU had run out of queued work there and waited for the host's launches.
+    One synchronized step first (its marks are dropped): the GPU then starts level with the host. Returns
+    [(mark, mean lead ms, min lead ms)] in the order of a step's marks (pipeline parallelism: not traced)."""
+    import megacoat.model.gpt as gpt
+    model = tr.model
+    if tr.ctx.pp_size > 1 or not hasattr(model, "layers"):
+        raise SystemExit("--lead-trace traces one model chunk (no pipeline parallelism)")
+    index = {id(layer): i for i, layer in enumerate(model.layers)}
+    marks = []  # (step, name, host seconds, event)
+    step_no = [0]
+
+    def mark(name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((step_no[0], name, time.perf_counter(), ev))
+
+    def label(modules):
+        i = index.get(id(modules[0])) if modules else None
+        return f"layer {i}" if i is not None else type(modules[0]).__name__ if modules else "?"
+
+    real_group, real_hook, real_step = gpt.run_layer_group, model.pre_backward_hook, tr.optimizer.step
+
+    def traced_group(group, *args, **kwargs):
+        mark(f"forward {label(list(group))}")
+        return real_group(group, *args, **kwargs)
+
+    def traced_hook(modules):
+        mark(f"backward {label(list(modules))}")
+        return real_hook(modules) if real_hook is not None else None
+
+    def traced_step(*args, **kwargs):
+        mark("optimizer start")
+        out = real_step(*args, **kwargs)
+        mark("optimizer end")
+        return out
+
+    gpt.run_layer_group, tr.optimizer.step = traced_group, traced_step
+    model.pre_backward_hook = traced_hook
+    try:
+        torch.cuda.synchronize()
+        for s in range(steps + 1):
+            step_no[0] = s
+            mark("step start")
+            tr.train_step(tr._next_micro_batches(it))
+            if s == 0:
+                torch.cuda.synchronize()  # level start for the traced steps
+                marks.clear()
+        torch.cuda.synchronize()
+    finally:
+        gpt.run_layer_group, tr.optimizer.step = real_group, real_step
+        model.pre_backward_hook = real_hook
+    _, _, h0, e0 = marks[0]
+    leads = {}
+    for _, name, h, ev in marks:
+        leads.setdefault(name, []).append(e0.elapsed_time(ev) - (h - h0) * 1e3)
+    order = list(dict.fromkeys(name for s, name, _, _ in marks if s == steps))  # a hook may fire per output
+    return [(name, sum(leads[name]) / len(leads[name]), min(leads[name])) for name in order]
+
+
+def print_lead_trace(tr, it, steps: int) -> None:
+    rows = lead_trace(tr, it, steps)
+    print(f"lead trace over {steps} steady steps (ms the GPU trails the host at each mark; near 0: the GPU waited "
+          "for the host's launches there):")
+    for name, mean, low in rows:
+        print(f"  {name:28s} mean {mean:8.2f}  min {low:8.2f}" + ("  <- GPU waiting" if low < 0.2 else ""))
+    starved = [name for name, _, low in rows if low < 0.2]
+    print(f"marks where the GPU waited for the host: {len(starved)} of {len(rows)}"
+          + (f" (first: {', '.join(starved[:6])})" if starved else ""))
 
 
 def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
@@ -233,9 +310,10 @@ def main():
     phase_times = _take_flag(argv, "--phase-times")
     guard_ab = _take_flag(argv, "--guard-ab")
     by_shape = _take_flag(argv, "--by-shape")  # also the ops grouped by input shapes (which copy, which sum is which)
+    lead = _take_flag(argv, "--lead-trace")
     use_profiler = not _take_flag(argv, "--no-profiler")  # --no-profiler: only the timings, no torch.profiler
     cfg = parse_args(argv)
-    needed = 5 + steps * (1 + use_profiler + phase_times + host_profile + 3 * guard_ab)  # warm-up, plain, profiled, probes
+    needed = 5 + steps * (1 + use_profiler + phase_times + host_profile + 3 * guard_ab + lead) + lead  # warm-up, plain, ...
     if cfg.train.train_iters is not None and cfg.train.train_iters < needed:
         raise SystemExit(f"profile_step.py runs {needed} steps here: pass --train-iters {needed} or more "
                          f"(the data iterator is sized by it)")
@@ -253,6 +331,8 @@ def main():
     plain = _timed_steps(tr, it, steps)  # the same steps without the profiler's overhead
     if phase_times and tr.device.type == "cuda":
         print_phase_times(tr, it, steps)
+    if lead and tr.device.type == "cuda":
+        print_lead_trace(tr, it, steps)
     if host_profile:
         print_host_profile(tr, it, steps)
     if not use_profiler:

@@ -232,7 +232,7 @@ if has prof; then  # PROF_RUNS (bf16 and/or FP8 recipes) profiled at 1.36B with 
     extra=""; [ $v != bf16 ] && extra="--fp8-format hybrid --fp8-recipe $v"
     timeout 150 python3 benchmarks/profile_step.py $C $M1 $extra ${PROFILE_ARGS:-} --train-iters ${PROF_ITERS:-20} --log-interval 100 \
       --profile-steps ${PROFILE_STEPS:-3} 2>&1 | grep -v "^  [a-z_0-9]* \.\." | grep -v "^ *$" > $OUT/prof_$v${C1_TAG:-}.txt
-    grep -E -A3 "^per step|^guard A/B|^phase times|Error" $OUT/prof_$v${C1_TAG:-}.txt | cut -c1-300 | tee -a $LOG
+    grep -E -A3 "^per step|^guard A/B|^phase times|^marks where|Error" $OUT/prof_$v${C1_TAG:-}.txt | cut -c1-300 | tee -a $LOG
   done
 fi
 if has before && ! late before && [ -d "$HERE/.before" ]; then echo "== BEFORE (previous commit) memory breakdown 7B $(el)" | tee -a $LOG

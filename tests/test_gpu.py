@@ -87,3 +87,4 @@ def test_nccl_zero_overlap_equals_single():
     from test_zero import _zero_vs_single
     run_distributed(_zero_vs_single, 2, 1, dict(bucket_size=3000, overlap_grad_reduce=True,
                                                 overlap_param_gather=True), 3, None, False, "cuda", backend="nccl")
+
