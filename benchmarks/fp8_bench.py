@@ -590,10 +590,10 @@ def _layer_gemms(t, h, ffn):
 
 
 def part_gemms(args):
-    """Every FP8 GEMM of the 1.36B and 7B layers: torch._scaled_mm (what the forward and dgrad run), the
-    cuBLASLt extension with the heuristic's first algorithm (candidates=1) and tuned (the fastest of up to
-    `--gemm-candidates` algorithms, timed on the problem's first call). CUDA-graph replays, L2 flushed; the
-    tuned output is checked against _scaled_mm's."""
+    """Every FP8 GEMM of the 1.36B and 7B layers: torch._scaled_mm (the forward and dgrad before the extension's
+    ops), the cuBLASLt extension with the heuristic's first algorithm (candidates=1) and tuned (the extension's
+    choice among up to `--gemm-candidates` algorithms, timed on the problem's first call). CUDA-graph replays, L2
+    flushed; the tuned output is checked against _scaled_mm's."""
     from megacoat.kernels.fp8_gemm import cuda_extension
     ext = cuda_extension() if DEV == "cuda" else None
     if ext is None:

@@ -1,15 +1,16 @@
-"""FP8 weight-gradient GEMM into an fp32 gradient buffer, adding in the GEMM's epilogue.
+"""FP8 GEMMs through cuBLASLt (`csrc/fp8_gemm.cu`): out (+)= (a * sa) @ (b * sb)^T with an fp32 or bf16 output.
 
-`fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate)`: out [N, K] (+)= (gqt [N, T] * sg) @ (xqt [K, T] * sx)^T,
-both operands FP8 row-major with one fp32 scale each (the FP8 linear's transposed copies of the output
-gradient and the input). The CUDA extension (`csrc/fp8_gemm.cu`, cuBLASLt with beta = 1) adds into `out`
-without an fp32 temporary: `torch._scaled_mm` can only overwrite its output, which left every
-micro-batch after a step's first with a temporary and an add pass over the weight gradient.
-The reference (same signature) dequantizes and multiplies in fp32: the tests' oracle (off-GPU the FP8
-linear's own emulation, `fp8_gemm` + add, computes the same thing). On a
-GPU where the extension is missing or declines a problem (`fp8_wgrad_gemm` returns False: shapes, dtypes or
-alignment it cannot take, checked by the extension; or a problem cuBLASLt refused once, remembered for the run) the
-FP8 linear runs `_scaled_mm` and an add instead.
+- `lt_gemm_ops()`: the extension's dispatcher ops the FP8 linear calls on a GPU (`megacoat_lt::fp8_mm`, the forward
+  and dgrad GEMM; `megacoat_lt::fp8_wgrad`, the weight gradient written or added into main_grad), with their fake
+  kernels for torch.compile. They keep the cuBLASLt algorithm per problem (timed among `--fp8-gemm-candidates`)
+  and fall back to torch._scaled_mm inside, in C++.
+- `fp8_wgrad_gemm(out, gqt, sg, xqt, sx, accumulate)`: the same GEMM called from Python, for the FP8 linear's
+  Python weight-gradient path (no dispatcher ops: the layer was built without a device, or on a problem the
+  C++ op is not given): out [N, K] (+)= (gqt [N, T] * sg) @ (xqt [K, T] * sx)^T, adding in the epilogue
+  (beta = 1), where `torch._scaled_mm` can only overwrite its output. Returns False where the extension is
+  missing or declines the problem (shapes, dtypes or alignment it cannot take, checked by the extension; or a
+  problem cuBLASLt refused once, remembered for the run): the caller then runs `_scaled_mm` and an add.
+- `fp8_wgrad_reference` (same signature): dequantize and multiply in fp32, the tests' oracle.
 """
 from __future__ import annotations
 
@@ -45,31 +46,9 @@ class _Refused:
     keys: set = set()
 
 
-def _problem_key(out, a, b, accumulate):
+def _problem_key(out, gqt, xqt, accumulate):
     # out's alignment up to 256 bytes, as the extension's algorithm cache tells problems apart (it takes >= 16)
-    return (tuple(a.shape), b.shape[0], a.dtype, b.dtype, out.dtype, out.data_ptr() % 256, accumulate, out.device)
-
-
-def _run_extension(out, a, sa, b, sb, accumulate: bool, fast_accum: bool, candidates: int, fallback: str) -> bool:
-    """The extension on out (+)= (a * sa) @ (b * sb)^T: False where it is missing, declines the problem or
-    refused it before (nothing written). A refusal (cuBLASLt has no algorithm for it) is remembered with one
-    warning naming `fallback`, what that problem then runs."""
-    ext = cuda_extension()  # None off-GPU
-    if ext is None:
-        return False
-    if _Refused.keys and _problem_key(out, a, b, accumulate) in _Refused.keys:
-        return False
-    try:
-        return ext.fp8_gemm(out, a, sa, b, sb, accumulate, fast_accum, candidates)
-    except torch.OutOfMemoryError:
-        raise  # a transient condition of this call, not a property of the problem
-    except RuntimeError as e:
-        if "megacoat fp8_gemm: " not in str(e):
-            raise  # a CUDA error, not cuBLASLt refusing the problem (its checks come before the launch)
-        _Refused.keys.add(_problem_key(out, a, b, accumulate))
-        warnings.warn(f"megacoat: the FP8 GEMM extension refused a problem ({str(e)[:300]}); that problem uses "
-                      f"{fallback} for the rest of this run (slower)", stacklevel=3)
-        return False
+    return (tuple(gqt.shape), xqt.shape[0], gqt.dtype, xqt.dtype, out.data_ptr() % 256, accumulate, out.device)
 
 
 def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: torch.Tensor, sx: torch.Tensor,
@@ -81,8 +60,24 @@ def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: 
     multiples of 16; one-element fp32 scales; every pointer 16-byte aligned) and returns False for the rest:
     in C++, because these checks in Python cost more host time than the launch, on every micro-batch of
     every linear. `candidates` > 1: the fastest of that many cuBLASLt algorithms, timed on the problem's first
-    call (--fp8-gemm-candidates)."""
-    return _run_extension(out, gqt, sg, xqt, sx, accumulate, False, candidates, "_scaled_mm and an add")
+    call (--fp8-gemm-candidates). A refusal (cuBLASLt has no algorithm for the problem) is remembered, with one
+    warning."""
+    ext = cuda_extension()  # None off-GPU
+    if ext is None:
+        return False
+    if _Refused.keys and _problem_key(out, gqt, xqt, accumulate) in _Refused.keys:
+        return False
+    try:
+        return ext.fp8_gemm(out, gqt, sg, xqt, sx, accumulate, False, candidates)
+    except torch.OutOfMemoryError:
+        raise  # a transient condition of this call, not a property of the problem
+    except RuntimeError as e:
+        if "megacoat fp8_gemm: " not in str(e):
+            raise  # a CUDA error, not cuBLASLt refusing the problem (its checks come before the launch)
+        _Refused.keys.add(_problem_key(out, gqt, xqt, accumulate))
+        warnings.warn(f"megacoat: the FP8 weight-gradient GEMM extension refused a problem ({str(e)[:300]}); "
+                      "that problem uses _scaled_mm and an add for the rest of this run (slower)", stacklevel=2)
+        return False
 
 
 @lru_cache(maxsize=None)

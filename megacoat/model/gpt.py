@@ -189,4 +189,3 @@ class GPTModel(nn.Module):
         """Parameters of the full model (all TP shards; padded vocabulary)."""
         tp = group_size(self.lc.tp_group)
         return sum(p.numel() * (tp if p.tensor_model_parallel else 1) for p in self.parameters())
-
