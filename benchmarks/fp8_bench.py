@@ -1,7 +1,7 @@
 """COAT part 1 evidence on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
 one transformer layer per recipe.
 
-    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad]
+    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host]
                                    [--no-sweep] [--no-compile] [--budget-s 160] [--sweep-budget-s 300]
     python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 
@@ -647,6 +647,36 @@ def part_gemms(args):
     return out
 
 
+def part_host(args):
+    """Host time per call (us) of the calls a coat step makes hundreds of times, on problems too small for the GPU
+    to be the limit: is a GEMM's host cost cuBLASLt's, the dispatcher's or ours? n calls queued without a sync."""
+    from megacoat.kernels.fp8_gemm import cuda_extension, lt_gemm_ops
+    ext = cuda_extension() if DEV == "cuda" else None
+    ops = lt_gemm_ops() if ext is not None else None
+    n, d = (20, 64) if SMOKE else (2000, 256)
+    x = torch.randn(d, d, device=DEV, dtype=torch.bfloat16)
+    a, _, sa = fp8.quantize_tensorwise(torch.randn(d, d, device=DEV, dtype=torch.bfloat16), "e4m3")
+    b, _, sb = fp8.quantize_tensorwise(torch.randn(d, d, device=DEV, dtype=torch.bfloat16), "e4m3")
+    mg = torch.zeros(d, d, device=DEV)
+    flag = torch.zeros(1, dtype=torch.bool)
+    calls = {"torch.empty": lambda: torch.empty(d, device=DEV),
+             "torch.zeros(()) (allocation and fill)": lambda: torch.zeros((), device=DEV),
+             "bf16 torch.mm": lambda: torch.mm(x, x),
+             "fp8 torch._scaled_mm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+             "fp8 1x16 quantize (Triton, eager)": lambda: fp8.quantize_1x16(x, "e4m3")}
+    if ops is not None:
+        calls["fp8 megacoat_lt::fp8_mm"] = lambda: ops.fp8_mm(a, sa, b, sb, torch.bfloat16, True, 1)
+        calls["fp8 megacoat_lt::fp8_wgrad (accumulate)"] = lambda: ops.fp8_wgrad(mg, a, sa, b, sb, flag, 1,
+                                                                                  torch.bfloat16)
+        calls["fp8 extension fp8_gemm (pybind, out given)"] = lambda: ext.fp8_gemm(mg, a, sa, b, sb, True, False, 1)
+    out = {}
+    for name, fn in calls.items():
+        us = 1000.0 * _host_ms(fn, n)
+        out[name] = round(us, 2)
+        print(f"  {name:45s} {us:7.2f} us of host per call", flush=True)
+    return out
+
+
 def _host_ms(fn, n=20) -> float:
     fn()
     _sync()
@@ -779,6 +809,8 @@ def main():
                 r = part_wgrad(args)
             elif part == "gemms":
                 r = part_gemms(args)
+            elif part == "host":
+                r = part_host(args)
             elif part == "reductions":
                 r = part_reductions(args)
             elif part == "layer":

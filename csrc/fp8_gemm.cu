@@ -76,8 +76,6 @@ struct Preference {
   }
 };
 
-constexpr size_t kWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
-
 // The chosen algorithm per problem (a few layer shapes per model): asking the heuristic costs more host time
 // than the launch itself, and tuning costs a few milliseconds once.
 using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, uint32_t, uint32_t, uint32_t, bool, bool, int>;
@@ -124,11 +122,11 @@ bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor
 // Milliseconds per call of `algo` on a scratch output (tuning must not add into the caller's), or -1 if it fails.
 double time_algo(cublasLtHandle_t handle, const MatmulDesc& desc, const Layout& la, const Layout& lb, const Layout& lc,
                  const void* a_ptr, const void* b_ptr, const torch::Tensor& scratch, float beta,
-                 const cublasLtMatmulAlgo_t& algo, void* workspace, cudaStream_t stream) {
+                 const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_size, cudaStream_t stream) {
   const float alpha = 1.0f;
   auto run = [&]() {
     return cublasLtMatmul(handle, desc.d, &alpha, a_ptr, la.l, b_ptr, lb.l, &beta, scratch.data_ptr(), lc.l,
-                          scratch.data_ptr(), lc.l, &algo, workspace, kWorkspace, stream);
+                          scratch.data_ptr(), lc.l, &algo, workspace, workspace_size, stream);
   };
   if (run() != CUBLAS_STATUS_SUCCESS) return -1.0;
   constexpr int kReps = 3;
@@ -148,15 +146,6 @@ double time_algo(cublasLtHandle_t handle, const MatmulDesc& desc, const Layout& 
 }
 
 std::string dtype_name(const torch::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
-
-// One workspace per (device, stream), kept for the run (call under algo_mutex): allocating 32 MiB per call cost
-// host time on every GEMM. Never freed: the map outlives the CUDA context at exit.
-void* workspace_for(const torch::Tensor& like, cudaStream_t stream) {
-  static auto* spaces = new std::map<std::pair<int, cudaStream_t>, torch::Tensor>();
-  auto& w = (*spaces)[{like.get_device(), stream}];
-  if (!w.defined()) w = at::empty({static_cast<int64_t>(kWorkspace)}, like.options().dtype(at::kByte));
-  return w.data_ptr();
-}
 
 }  // namespace
 
@@ -192,10 +181,13 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
   const Key key{m, n, k, (int)ta, (int)tb, (int)tc, al_a, al_b, al_c, accumulate, fast_accum, out.get_device()};
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   cublasLtMatmulAlgo_t algo;
-  void* workspace = nullptr;
+  // torch's own cuBLASLt workspace for this stream (what _scaled_mm uses): one per stream for the run, and torch
+  // handles it under CUDA graph capture (a workspace of our own made while Inductor's CUDA graphs warm up stayed
+  // in their memory pool untracked, and they refused to run).
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   {
     std::lock_guard<std::mutex> lock(algo_mutex);
-    workspace = workspace_for(out, stream);
     auto it = algo_cache.find(key);
     // A choice made from fewer algorithms than asked for now is made again (not while capturing a graph).
     if (it != algo_cache.end() && (it->second.candidates >= candidates || capturing)) {
@@ -203,7 +195,7 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
     } else {
       if (capturing) candidates = 1;
       Preference pref;
-      pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kWorkspace));
+      pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(workspace_size));
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c);
@@ -239,7 +231,7 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
           for (int i = 0; i < found; ++i) {
             if (!usable[i]) continue;
             const double t = time_algo(handle, desc, la, lb, lc, b.data_ptr(), a.data_ptr(), scratch, beta,
-                                       heur[i].algo, workspace, stream);
+                                       heur[i].algo, workspace, workspace_size, stream);
             if (t < 0) { usable[i] = false; ms[i] = -1.0; continue; }
             ms[i] = ms[i] < 0 ? t : std::min(ms[i], t);
           }
@@ -256,7 +248,7 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
     }
   }
   check_lt(cublasLtMatmul(handle, desc.d, &alpha, b.data_ptr(), la.l, a.data_ptr(), lb.l, &beta, out.data_ptr(), lc.l,
-                          out.data_ptr(), lc.l, &algo, workspace, kWorkspace, stream),
+                          out.data_ptr(), lc.l, &algo, workspace, workspace_size, stream),
            "cublasLtMatmul");
   return true;
 }

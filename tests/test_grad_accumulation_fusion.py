@@ -291,3 +291,27 @@ def test_grad_buffer_aligns_every_view_and_zeroes_the_gaps():
         assert buf.padding[0] and all(float(bucket[a:b].abs().sum()) == 0 for a, b in buf.padding[0])
         bucket.fill_(float("nan"))  # stale memory for the next allocation
         buf.release()
+
+
+def test_bucket_norm_reads_whole_buckets_only_where_every_parameter_counts():
+    """A bucket whose parameters all count is normed as its flat tensor (its zeroed gaps add nothing); a bucket with
+    a parameter that does not count (a TP duplicate) is normed per counted parameter: both equal the float64 norm."""
+    from megacoat.optim.buffers import GradBuffer
+    from megacoat.optim.grad_norm_overlap import BucketNormOverlap
+    gen = torch.Generator().manual_seed(11)
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (5, 16, 3, 33, 7, 21)]
+    buf = GradBuffer(params, bucket_size=40)
+    assert len(buf.buckets) >= 2
+    for p in params:
+        p.main_grad.copy_(torch.randn(p.numel(), generator=gen).view_as(p) * 3)
+    skipped = buf.bucket_params[0][1]  # not counted on this rank
+    counted = {id(p) for p in params if p is not skipped}
+    overlap = BucketNormOverlap(buf.bucket_params, counted, torch.device("cpu"), buf.buckets)
+    assert overlap.flats[0] is None and all(f is not None for f in overlap.flats[1:])
+    overlap.set_last_micro_batch(True)
+    for p in params:
+        overlap.on_ready(p)
+    assert len(overlap._partials) == len(buf.buckets)
+    expect = sum(float(p.main_grad.double().square().sum()) for p in params if p is not skipped)
+    got = float(overlap.total())
+    assert abs(got - expect) <= 1e-5 * expect, (got, expect)

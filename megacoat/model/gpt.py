@@ -16,6 +16,7 @@ from ..parallel.mappings import (gather_from_tp_region, group_size, reduce_from_
 from ..parallel.random import param_generator
 from ..precision.linear import Fp8WeightRefresher, release_fp8_weight_copies
 from .rope import RotaryEmbedding
+from .inductor_settings import launch_user_kernels_statically
 from .recompute import RecomputePlan, run_layer_group
 from .transformer import LayerContext, Norm, TransformerLayer, _dropout_region
 
@@ -81,6 +82,7 @@ class GPTModel(nn.Module):
                                                      dtype=lc.dtype, device=lc.device, skip_weight=self.tied,
                                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion)
         if compile_layers:
+            launch_user_kernels_statically()
             for layer in self.layers:
                 layer.compile()
         # Called with each top-level module just before its forward, outside compiled code: the

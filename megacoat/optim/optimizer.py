@@ -154,7 +154,7 @@ class MixedPrecisionAdamW(CodecScalars, PreSyncParams):
         if ctx.dp_size == 1 and not (ctx.tp_size > 1 and self.sp_params):
             self.norm_overlap = BucketNormOverlap(self.grad_buffer.bucket_params,
                                                   {id(p) for p, c in zip(self.params, self.counted) if c},
-                                                  self.params[0].device)
+                                                  self.params[0].device, self.grad_buffer.buckets)
         self.fused = self.params[0].is_cuda
         formats = choose_state_formats(cfg, self.params[0].device)
         self.flat = formats is not None
