@@ -96,8 +96,11 @@ def lead_trace(tr, it, steps: int) -> list:
     backward hook (a layer's or another module's backward starting) and around the optimizer step, how far
     the GPU trails the host: the time the GPU reached a CUDA event recorded there minus the time the host
     recorded it. Near zero means the GPU had run out of queued work there and waited for the host's launches.
-    One synchronized step first (its marks are dropped): the GPU then starts level with the host. Returns
-    [(mark, mean lead ms, min lead ms)] in the order of a step's marks (pipeline parallelism: not traced)."""
+    One synchronized step first (its marks are dropped): the GPU then starts level with the host, so the first
+    traced step shows the ramp after a sync (what the step after each logging sync sees) and the later ones the
+    steady state. Returns [(mark, mean lead ms, min lead ms, first step's lead ms)] in the order of a step's marks,
+    the mean and min over the traced steps after the first (over the one traced step when `steps` is 1; pipeline
+    parallelism: not traced)."""
     import megacoat.model.gpt as gpt
     model = tr.model
     if tr.ctx.pp_size > 1 or not hasattr(model, "layers"):
@@ -147,21 +150,28 @@ def lead_trace(tr, it, steps: int) -> list:
         gpt.run_layer_group, tr.optimizer.step = real_group, real_step
         model.pre_backward_hook = real_hook
     _, _, h0, e0 = marks[0]
-    leads = {}
-    for _, name, h, ev in marks:
-        leads.setdefault(name, []).append(e0.elapsed_time(ev) - (h - h0) * 1e3)
+    leads, first = {}, {}
+    for s, name, h, ev in marks:
+        lead = e0.elapsed_time(ev) - (h - h0) * 1e3
+        if s == 1:
+            first.setdefault(name, lead)
+        if s > 1 or steps == 1:
+            leads.setdefault(name, []).append(lead)
     order = list(dict.fromkeys(name for s, name, _, _ in marks if s == steps))  # a hook may fire per output
-    return [(name, sum(leads[name]) / len(leads[name]), min(leads[name])) for name in order]
+    return [(name, sum(leads[name]) / len(leads[name]), min(leads[name]), first.get(name, float("nan")))
+            for name in order]
 
 
 def print_lead_trace(tr, it, steps: int) -> None:
     rows = lead_trace(tr, it, steps)
-    print(f"lead trace over {steps} steady steps (ms the GPU trails the host at each mark; near 0: the GPU waited "
-          "for the host's launches there):")
-    for name, mean, low in rows:
-        print(f"  {name:28s} mean {mean:8.2f}  min {low:8.2f}" + ("  <- GPU waiting" if low < 0.2 else ""))
-    starved = [name for name, _, low in rows if low < 0.2]
-    print(f"marks where the GPU waited for the host: {len(starved)} of {len(rows)}"
+    steady = max(steps - 1, 1)
+    print(f"lead trace (ms the GPU trails the host at each mark; near 0: the GPU waited for the host's launches there); "
+          f"mean and min over {steady} steady step(s), and the first step after a sync:")
+    for name, mean, low, first in rows:
+        print(f"  {name:28s} mean {mean:8.2f}  min {low:8.2f}  after a sync {first:8.2f}"
+              + ("  <- GPU waiting" if low < 0.2 else ""))
+    starved = [name for name, _, low, _ in rows if low < 0.2]
+    print(f"marks where the GPU waited for the host in steady steps: {len(starved)} of {len(rows)}"
           + (f" (first: {', '.join(starved[:6])})" if starved else ""))
 
 
