@@ -103,8 +103,10 @@ if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $
   done
 fi
 if has gputests && ! late gputests; then echo "== GPU tests $(el)" | tee -a $LOG
-  timeout ${TEST_TMO:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --timeout ${PER_TEST_TMO:-30} -k "not nccl" ${GPU_TESTS:-tests/} > $OUT/gputests.txt 2>&1
-  grep -E "passed|failed|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -60 | tee -a $LOG
+  # -v: one line per test as it finishes, so a stage cut by TEST_TMO still names what passed and what failed (2026-12-02:
+  # a cut -q run showed four bare F). Compiled tests can take over a minute on a cold Inductor cache: PER_TEST_TMO 150.
+  timeout ${TEST_TMO:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout ${PER_TEST_TMO:-150} -k "not nccl" ${GPU_TESTS:-tests/} > $OUT/gputests.txt 2>&1
+  grep -E "^=.*(passed|failed)|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -60 | tee -a $LOG
 fi
 for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_bench.py refreshbench:weight_refresh_bench.py cebench:cross_entropy_bench.py; do
   st=${b%%:*}; f=${b##*:}
