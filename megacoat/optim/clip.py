@@ -21,13 +21,17 @@ def global_grad_norm(grads: List[torch.Tensor], counted: List[bool], mp_group, e
     return norm_from_local_square_sum(local_square_sum(mine, device), mp_group, extra_group)
 
 
+def local_norms(grads: List[torch.Tensor], device) -> torch.Tensor:
+    """The L2 norm of each of `grads`, as a 1-D fp32 tensor ([0.] for an empty list)."""
+    if not grads:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
 def local_square_sum(grads: List[torch.Tensor], device) -> torch.Tensor:
     """Sum of squares of `grads` as a 0-dim fp32 tensor (0 for an empty list)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    return torch.stack(norms).pow(2).sum()
+    return local_norms(grads, device).square().sum()
 
 
 def norm_from_local_square_sum(sq: torch.Tensor, mp_group, extra_group=None) -> torch.Tensor:

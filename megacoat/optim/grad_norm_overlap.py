@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from .clip import local_norms
+
 
 class BucketNormOverlap:
     def __init__(self, bucket_params: List[List[nn.Parameter]], counted_ids: set, device: torch.device,
@@ -60,11 +62,7 @@ class BucketNormOverlap:
         """1-D fp32 norms whose squares sum to bucket i's counted sum of squares."""
         if self.flats[i] is not None:
             return torch.linalg.vector_norm(self.flats[i], 2, dtype=torch.float32).reshape(1)
-        grads = [p.main_grad for p in self.counted[i]]
-        if not grads:
-            return torch.zeros(1, dtype=torch.float32, device=self.device)
-        # fp32 accumulation and result straight from bf16 gradients: no full-size fp32 temporaries.
-        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        return local_norms([p.main_grad for p in self.counted[i]], self.device)
 
     def _launch(self, i: int) -> None:
         if self.stream is None:
