@@ -19,6 +19,9 @@
 #   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
 #   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
 #             eager, and TP=2 as two processes on this one GPU over gloo, compiled and eager
+# Training runs log every LOG_INTERVAL iterations (default 5). Each log line syncs the host with the GPU, and the step
+# after a sync starts with an empty queue: where a forward's host time exceeds its GPU time (coat at 1.36B), that
+# step loses a few ms. Megatron's runs log every 10-100 iterations.
 # Runs from a clean export of a commit (SRC, default .), writes under $OUT.
 # Usage: SRC=.snap STAGES=... bash scripts/gpu_evidence.sh
 set -u
@@ -39,7 +42,7 @@ C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 320
 mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
   # SMI=1: sample the SM clock and power while it runs (is a busier FP8 step slowed by the power limit?)
   [ "${SMI:-0}" = 1 ] && { nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 > /tmp/smi_$name.csv & smi=$!; }
-  timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval 5 --log-json /tmp/$name.jsonl 2>&1 \
+  timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval ${LOG_INTERVAL:-5} --log-json /tmp/$name.jsonl 2>&1 \
     | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs|weight-cache" | cut -c1-600 | tee -a $LOG
   if [ "${SMI:-0}" = 1 ]; then kill $smi; python3 -c "
 import statistics as st
