@@ -9,8 +9,8 @@ sequence-parallel norm weights, no pre-sync of tied embeddings): the optimizer d
 Buckets that never became complete (a parameter without gradient) are summed in `total`.
 
 A bucket whose every parameter counts is one flat tensor whose gaps are zero: its norm is one reduction over it.
-The per-parameter path (a multi-tensor norm, a stack, a square and a sum) cost ~100 us of host time per bucket,
-26 times per 1.36B step, in a step whose GPU waits for the host (H200 lead trace, 2026-12-02).
+The per-parameter path (a multi-tensor norm, a stack, a square and a sum per bucket, 26 times per 1.36B step) was
+host time in a coat step whose GPU waited for the host (H200 lead trace, 2026-12-02).
 """
 from __future__ import annotations
 
