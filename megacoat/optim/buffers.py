@@ -103,9 +103,10 @@ class GradBuffer:
                 current, size = [], 0
         self.buckets: List[torch.Tensor] = []
         self.bucket_of: Dict[int, int] = {}
-        # Gaps between parameters (start, end): zeroed whenever their bucket gets memory (whole-bucket readers
-        # such as the data-parallel all-reduce then see zeros, never stale values).
-        self.padding: List[List[tuple]] = []
+        # Per bucket, the positions of the gaps between parameters (None: no gaps): zeroed in one launch whenever the
+        # bucket gets memory (whole-bucket readers such as the data-parallel all-reduce and the gradient norm then
+        # see zeros, never stale values).
+        self.gaps: List[Optional[torch.Tensor]] = []
         for i, group in enumerate(groups):
             starts, offset = [], 0
             for p in group:
@@ -115,8 +116,9 @@ class GradBuffer:
             for p, start in zip(group, starts):
                 p.main_grad = data[start: start + p.numel()].view_as(p)
                 self.bucket_of[id(p)] = i
-            self.padding.append([(a + p.numel(), b) for p, a, b in zip(group, starts, starts[1:] + [offset])
-                                 if a + p.numel() < b])
+            gaps = [torch.arange(a + p.numel(), b) for p, a, b in zip(group, starts, starts[1:] + [offset])
+                    if a + p.numel() < b]
+            self.gaps.append(torch.cat(gaps).to(device) if gaps else None)
             self.buckets.append(data)
         self.release_between_steps = release_between_steps
         self.bucket_params = [list(g) for g in groups]
@@ -135,9 +137,8 @@ class GradBuffer:
             self._allocate_bucket(i)
 
     def _allocate_bucket(self, i: int) -> None:
-        if _allocate(self.buckets[i]):
-            for a, b in self.padding[i]:
-                self.buckets[i][a:b].zero_()
+        if _allocate(self.buckets[i]) and self.gaps[i] is not None:
+            self.buckets[i].index_fill_(0, self.gaps[i], 0)
 
     def release(self) -> None:
         for b in self.buckets:
