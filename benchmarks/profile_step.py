@@ -1,6 +1,6 @@
 """Profile a few training steps of pretrain_gpt.py's configuration: where does the time go?
 
-    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--lead-trace] [--no-profiler] [--by-shape]
+    python benchmarks/profile_step.py <pretrain_gpt.py flags> [--profile-steps 3] [--host-profile] [--phase-times] [--guard-ab] [--lead-trace] [--no-profiler] [--by-shape] [--kernels]
 
 Runs warm-up steps, then profiles steps with torch.profiler and prints the top CUDA kernels
 (or CPU ops) by total time, and the GPU's busy time against the wall time per step: a step whose
@@ -12,6 +12,8 @@ forward, backward and optimizer phases on the host and on the GPU, without the p
 `--lead-trace` (GPU) follows steady-state steps without the profiler and without syncs: at every layer's forward
 and backward and around the optimizer, how far the GPU trails the host; where that falls to ~0 the GPU waits
 for launches (where a step that looks GPU-bound in the profiler loses its time).
+`--kernels` (GPU) lists every kernel of the profiled steps grouped by name (count, time per step) and by duration:
+how many kernels a step runs and how much of its time the short ones take (each also costs a launch gap).
 """
 import sys
 import time
@@ -175,6 +177,36 @@ def print_lead_trace(tr, it, steps: int) -> None:
           + (f" (first: {', '.join(starved[:6])})" if starved else ""))
 
 
+def kernel_table(spans, steps: int):
+    """spans: (start us, end us, name) of every kernel of `steps` steps. -> (rows, buckets): rows
+    (name, kernels per step, ms per step, mean us) by total time; buckets (label, kernels per step, ms per step)
+    by duration."""
+    by_name = {}
+    for s, e, name in spans:
+        n, t = by_name.get(name, (0, 0.0))
+        by_name[name] = (n + 1, t + (e - s))
+    rows = sorted(((name, n / steps, t / 1e3 / steps, t / n) for name, (n, t) in by_name.items()),
+                  key=lambda r: -r[2])
+    edges = [(0, 5), (5, 20), (20, 100), (100, float("inf"))]
+    buckets = []
+    for lo, hi in edges:
+        ds = [e - s for s, e, _ in spans if lo <= e - s < hi]
+        label = f"{lo}-{hi} us" if hi != float("inf") else f">= {lo} us"
+        buckets.append((label, len(ds) / steps, sum(ds) / 1e3 / steps))
+    return rows, buckets
+
+
+def print_kernels(prof, steps: int) -> None:
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    rows, buckets = kernel_table(spans, steps)
+    print(f"kernels per step: {len(spans) / steps:.0f}; by duration: " + "; ".join(
+        f"{label}: {n:.0f} kernels, {ms:.2f} ms" for label, n, ms in buckets))
+    print(f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  kernel")
+    for name, n, ms, mean in rows:
+        print(f"{ms:8.3f} {n:7.1f} {mean:8.1f}  {name[:150]}")
+
+
 def print_gaps(prof, steps: int, top: int = 12, min_us: float = 20.0) -> None:
     """Where the GPU idles: gaps between consecutive kernels (any stream), largest first, with the
     kernels on either side (a gap after a kernel is host work or a sync that the GPU waited for)."""
@@ -321,6 +353,7 @@ def main():
     guard_ab = _take_flag(argv, "--guard-ab")
     by_shape = _take_flag(argv, "--by-shape")  # also the ops grouped by input shapes (which copy, which sum is which)
     lead = _take_flag(argv, "--lead-trace")
+    kernels = _take_flag(argv, "--kernels")
     use_profiler = not _take_flag(argv, "--no-profiler")  # --no-profiler: only the timings, no torch.profiler
     cfg = parse_args(argv)
     needed = 5 + steps * (1 + use_profiler + phase_times + host_profile + 3 * guard_ab + lead) + lead  # warm-up, plain, ...
@@ -374,6 +407,8 @@ def main():
               f"profiler overhead included in the wall time); without the profiler {plain * 1e3:.1f} ms per step "
               f"({100 * busy / (plain * 1e3):.0f}% busy)")
         print_gaps(prof, steps)
+        if kernels:
+            print_kernels(prof, steps)
         print_idle_by_thread(prof, steps)
     tr.close()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_step import lead_trace  # noqa: E402
+from profile_step import kernel_table, lead_trace  # noqa: E402
 
 from megacoat.config import parse_args  # noqa: E402
 from megacoat.training.trainer import Trainer  # noqa: E402
@@ -69,3 +69,16 @@ def test_lead_trace_on_gpu_coat():
     tr = _trainer(["--bf16", "--fp8-format", "hybrid"])
     _check(tr)
     tr.close()
+
+
+def test_kernel_table_groups_by_name_and_duration():
+    # two steps: per step one 2 us fill, one 30 us cast and one 150 us GEMM, plus a 10 us cast in step 2
+    spans = [(0, 2, "fill"), (5, 35, "cast"), (40, 190, "gemm"),
+             (200, 202, "fill"), (205, 235, "cast"), (240, 390, "gemm"), (400, 410, "cast")]
+    rows, buckets = kernel_table(spans, steps=2)
+    assert [r[0] for r in rows] == ["gemm", "cast", "fill"]
+    name, n, ms, mean = rows[1]
+    assert n == 1.5 and abs(ms - 0.035) < 1e-12 and abs(mean - 70 / 3) < 1e-9
+    assert [(label, n) for label, n, _ in buckets] == [("0-5 us", 1.0), ("5-20 us", 0.5), ("20-100 us", 1.0),
+                                                       (">= 100 us", 1.0)]
+    assert abs(sum(ms for _, _, ms in buckets) - sum(e - s for s, e, _ in spans) / 2e3) < 1e-12
