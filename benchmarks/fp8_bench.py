@@ -1,7 +1,7 @@
 """COAT part 1 evidence on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
 one transformer layer per recipe.
 
-    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host]
+    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host,swiglubwd]
                                    [--no-sweep] [--no-compile] [--budget-s 160] [--sweep-budget-s 300]
     python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 
@@ -191,6 +191,51 @@ def part_kernels(args):
         result["sweep"] = _sweep(x, h, amax_x, n)
         result["tile_sweep"] = tile_sweep(x, x2, h, n, args.sweep_budget_s)
     return result
+
+
+def part_swiglubwd(args):
+    """The SwiGLU backward as the FP8 linear consumes it (per-tensor E5M2 codes in both layouts): the bf16 dh
+    kernel + the cast (the path before) against the fused amax pass + recomputing cast, at the 1.36B model's
+    [8192, 2 x 5632] and at [16384, 2 x 4096]; and the fused cast's tile sweep (same bytes required)."""
+    if SMOKE:
+        return dict(skipped="the Triton kernels need a GPU (tests/test_fp8_triton_interp.py checks them on CPU)")
+    out = {}
+    for m, f in ((8192, 5632), (16384, 4096)):
+        n = m * f
+        g = torch.Generator(device=DEV).manual_seed(1)
+        h = torch.randn(m, 2 * f, device=DEV, generator=g).to(torch.bfloat16)
+        dp = torch.randn(m, f, device=DEV, generator=g).to(torch.bfloat16)
+        _, _, hq, hs = KA.swiglu_fwd(h)
+        dh, dh_amax = KA.swiglu_bwd(dp, hq, hs)
+
+        def two_kernels():
+            d, a = KA.swiglu_bwd(dp, hq, hs)
+            return K.cast_tensorwise(d, a, "e5m2", True)
+
+        # bytes: dp 2n, the saved codes 2n, their bf16 scales n/4; dh / its codes 4n / 2n per layout
+        rows = [_row("swiglu bwd (bf16 dh)", bench_us(lambda: KA.swiglu_bwd(dp, hq, hs)), 8.25 * n),
+                _row("cast e5m2 + T of dh", bench_us(lambda: K.cast_tensorwise(dh, dh_amax, "e5m2", True)), 8 * n),
+                _row("both (the path before)", bench_us(two_kernels), 16.25 * n),
+                _row("fused: amax pass + cast", bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")),
+                     12.5 * n)]
+        want = two_kernels()
+        sweep = []
+        for tile in ((128, 64, 8), (64, 128, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8), (256, 64, 8),
+                     (64, 128, 4), (32, 128, 4)):
+            old = KA.TILES["swiglu_bwd_cast"]
+            KA.TILES["swiglu_bwd_cast"] = tile
+            try:
+                got = KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")
+                sweep.append(dict(tile=list(tile), same_codes=_identical(got[:3], want),
+                                  time_us=round(bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")), 2)))
+            except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
+                sweep.append(dict(tile=list(tile), error=f"{type(e).__name__}: {str(e)[:200]}"))
+            finally:
+                KA.TILES["swiglu_bwd_cast"] = old
+            print(f"  tile {tile}: {sweep[-1]}", flush=True)
+        out[f"{m}x{f}"] = dict(rows=rows, same_codes=_identical(KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")[:3], want),
+                               tile_sweep=sweep)
+    return out
 
 
 def part_tiles(args):
@@ -811,6 +856,8 @@ def main():
                 r = part_gemms(args)
             elif part == "host":
                 r = part_host(args)
+            elif part == "swiglubwd":
+                r = part_swiglubwd(args)
             elif part == "reductions":
                 r = part_reductions(args)
             elif part == "layer":

@@ -113,6 +113,30 @@ def test_swiglu_reference_vs_float64():
     _bf16_close(dh, hd.grad, rel=2 ** -7, abs_=1e-4 * hd.grad.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+def test_swiglu_bwd_quantized_reference_vs_float64(fmt):
+    """The SwiGLU gradient as per-tensor FP8 codes in both layouts (what the fused FP8 linear's backward reads)
+    against float64 autograd of silu(gate) * up from the dequantized saved codes."""
+    h = _data((3, 7, 80), 19, scale=2.0)
+    _, _, hq, hs = A.swiglu_fwd_reference(h)
+    dp = _data((3, 7, 40), 20)
+    gq, gqt, scale, amax = A.swiglu_bwd_quantized_reference(dp, hq, hs, fmt)
+    hd = fp8.dequantize_1x16(hq, hs, torch.float64).reshape(3, 7, 80).requires_grad_(True)
+    (F.silu(hd[..., :40]) * hd[..., 40:]).backward(dp.double())
+    d64 = hd.grad.reshape(21, 80)
+    assert gq.shape == (21, 80) and gqt.shape == (80, 21)
+    assert torch.equal(gqt.view(torch.uint8), gq.view(torch.uint8).t())
+    top = d64.abs().max().item()
+    assert abs(amax.item() - top) <= 2 ** -7 * top  # the amax of dh as rounded to bf16
+    f = fp8.get_format(fmt)
+    assert scale.item() == pytest.approx((amax.item() + fp8.EPS) / f.max, rel=1e-7)
+    half_step = 2.0 ** -(3 if fmt == "e5m2" else 4)
+    smallest = 2.0 ** -(16 if fmt == "e5m2" else 9)  # subnormal spacing
+    err = (gq.double() * scale.item() - d64).abs()
+    tol = (half_step + 2 ** -7) * d64.abs() + scale.item() * smallest
+    assert (err <= tol).all(), f"worst excess {(err - tol).max().item():.3g}"
+
+
 @pytest.mark.parametrize("kind", ["silu", "gelu"])
 def test_activation_reference_vs_float64(kind):
     h = _data((5, 33), 11, scale=3.0)

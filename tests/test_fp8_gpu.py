@@ -238,6 +238,31 @@ def test_swiglu_kernels(shape):
     assert_same(got_amax, got.float().abs().amax(), "amax of the emitted dh")
 
 
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("shape,tile", [((37, 2 * 40), None), ((8192, 2 * 5632), None), ((3, 7, 2 * 24), None),
+                                        ((130, 2 * 200), (64, 128, 8)), ((130, 2 * 200), (32, 32, 4))])
+def test_swiglu_bwd_quantized_kernel(shape, tile, fmt, monkeypatch):
+    """The SwiGLU backward straight to per-tensor codes (both layouts, no bf16 dh written): bit for bit the
+    codes of the bf16 dh kernel followed by the cast with its amax, and the reference's up to its rounding."""
+    if tile is not None:
+        monkeypatch.setitem(KA.TILES, "swiglu_bwd_cast", tile)
+    h = _data(shape, 7)
+    _, _, hq, hs = KA.swiglu_fwd(h)
+    dp = _data((*shape[:-1], shape[-1] // 2), 8)
+    gq, gqt, scale, amax = KA.swiglu_bwd_quantized(dp, hq, hs, fmt)
+    dh, dh_amax = KA.swiglu_bwd(dp, hq, hs)
+    q2, qt2, s2 = K.cast_tensorwise(dh.reshape(-1, shape[-1]), dh_amax, fmt, True)
+    assert_same(amax, dh_amax, "amax of dh")
+    assert_same(scale, s2, "scale")
+    assert_same(gq, q2, "row-major codes")
+    assert_same(gqt, qt2, "transposed codes")
+    rq, _, rs, _ = A.swiglu_bwd_quantized_reference(dp, hq, hs, fmt)
+    # the reference's dh differs by bf16 rounding (FMA contraction), so a code may be its neighbour
+    step = 2.0 ** -(2 if fmt == "e5m2" else 3)
+    got, want = gq.float() * scale, rq.float() * rs
+    assert_close(got, want, step * want.abs() + 2 * rs.float(), "dequantized codes vs the reference")
+
+
 @pytest.mark.parametrize("kind", ["silu", "gelu"])
 @pytest.mark.parametrize("shape", [(21, 33), (512, 4096)])
 def test_activation_kernels(kind, shape):

@@ -145,12 +145,16 @@ for bm, bg, w, split in TILES:
     t = dict(BM=bm, BG=bg, SPLIT=split)
     name = f"{bm, bg, w, split}"
     comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w)
-    comp(A.swiglu_bwd_kernel, swb, t, w)
+    comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=True), w)
     k = comp(A.swiglu_fwd_kernel, swf, dict(FMAX=448.0, EPS=1e-12, **t), w, True)
     # gate and up: 16-byte loads, codes, a div pair per group each; p: 16-byte stores without conversion
     check_1x16(k, "swiglu_fwd " + name, bm, bg, w, split, in_bf16=2, codes=2, out_bf16=1, divs=2, amax=True)
-    k = comp(A.swiglu_bwd_kernel, swb, t, w, True)
+    k = comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=True), w, True)
     check_1x16(k, "swiglu_bwd " + name, bm, bg, w, split, in_bf16=1, in_fp8=2, out_bf16=2, amax=True)
+    # the amax pass of the quantized SwiGLU backward: reads as above, stores nothing but its one reduction
+    ptx = comp(A.swiglu_bwd_kernel, swb, dict(t, STORE=False), w, True).asm["ptx"]
+    assert not re.search(r"^\s*(?:@!?%p\d+\s+)?st\.global", ptx, re.M), f"swiglu_bwd amax pass {name}: a store"
+    check_relaxed_amax(ptx, "swiglu_bwd amax pass " + name)
     for kind in (0, 1):
         comp(A.act_fwd_kernel, af, dict(KIND=kind, FMAX=448.0, EPS=1e-12, **t), w)
         comp(A.act_bwd_kernel, ab, dict(KIND=kind, **t), w)
@@ -159,6 +163,18 @@ for bm, bg, w, split in TILES:
                    amax=True)
         k = comp(A.act_bwd_kernel, ab, dict(KIND=kind, **t), w, True)
         check_1x16(k, f"act_bwd {kind} " + name, bm, bg, w, split, in_bf16=1, in_fp8=1, out_bf16=1)
+# the SwiGLU backward cast straight to per-tensor codes in both layouts (E5M2: hybrid; E4M3: --fp8-format e4m3)
+swc = dict(dp_ptr=bf, q_ptr=f8, qs_ptr=bf, amax_ptr=f32, scale_ptr=f32, gq_ptr=f8e5, gqt_ptr=f8e5, M=i32, F=i32,
+           G=i32)
+for qty, fmax in ((f8e5, 57344.0), (f8, 448.0)):
+    for bm, bf_, w in ((128, 64, 8), (64, 128, 8), (32, 32, 4)):
+        for div16 in (False, True):
+            ptx = comp(A.swiglu_bwd_cast_kernel, dict(swc, gq_ptr=qty, gqt_ptr=qty),
+                       dict(FMAX=fmax, EPS=1e-12, BM=bm, BF=bf_), w, div16).asm["ptx"]
+            assert "div.rn.f32" in ptx and "satfinite" in ptx
+            assert "atom" not in ptx and "red.global" not in ptx, "swiglu_bwd_cast: no atomics (the amax is given)"
+            if div16:  # both layouts of the codes stored 4+ bytes at a time
+                assert "st.global.b8" not in ptx, f"swiglu_bwd_cast {bm, bf_}: 1-byte stores"
 print("compiled all")
 '''
 

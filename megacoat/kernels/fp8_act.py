@@ -20,6 +20,9 @@ ACT_KIND = {"silu": 0, "gelu": 1}
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
          "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
+         # the SwiGLU backward straight to per-tensor FP8 (both layouts): (rows, gate columns, num_warps) of a
+         # 2-D tile; 128 rows: each row of the transposed copy is written 128 bytes at a time, as the cast's
+         "swiglu_bwd_cast": (128, 64, 8),
          # norm backward: (elements per loop iteration, programs per SM, num_warps (0: by the row width),
          # software-pipeline stages of the row loop). The sweep's best over 8192x2048, 4096x4096 and 16384x4096
          # with the fused residual gradient and its amax (fp8_bench --parts reductions, H200, 2026-12-02 session 12
@@ -137,6 +140,29 @@ def swiglu_bwd(dp, hq, hs):
     _k().swiglu_bwd_kernel[grid](dp2, hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g), dh, amax, m, f,
                                  g, **tile)
     return dh.view(*dp.shape[:-1], 2 * f), amax
+
+
+def swiglu_bwd_quantized(dp, hq, hs, fmt: str):
+    """-> (gq [M, 2F], gqt [2F, M], scale, max |dh|): dh = [dgate; dup] cast per tensor to `fmt` in both
+    layouts without writing dh (two launches: the amax pass, then the recomputing cast)."""
+    f = dp.shape[-1]
+    dp2 = dp.contiguous().view(-1, f)
+    m, g = dp2.shape[0], triton_cdiv(f, 16)
+    dev = dp.device
+    q3, s3 = hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    tile, grid = _ew_grid("swiglu_bwd", m, g)
+    _k().swiglu_bwd_kernel[grid](dp2, q3, s3, dp2, amax, m, f, g, STORE=False, **tile)
+    dt = FP8_DTYPE[fmt]
+    gq = torch.empty((m, 2 * f), dtype=dt, device=dev)
+    gqt = torch.empty((2 * f, m), dtype=dt, device=dev)
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    bm, bf, warps = TILES["swiglu_bwd_cast"]
+    if bf % 16:
+        raise ValueError(f"TILES['swiglu_bwd_cast'] columns per tile ({bf}) must be a multiple of 16 (whole 1x16 groups)")
+    _k().swiglu_bwd_cast_kernel[(triton_cdiv(m, bm), triton_cdiv(f, bf))](
+        dp2, q3, s3, amax, scale, gq, gqt, m, f, g, FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BF=bf, num_warps=warps)
+    return gq, gqt, scale, amax
 
 
 def act_fwd(h, kind: str):

@@ -31,7 +31,7 @@ import torch
 
 from ..kernels import fp8 as fp8_quant_kernels
 from ..kernels import fp8_act as act_kernels
-from .fp8 import dequantize_1x16_reference, is_compiling, quantize_1x16_reference
+from .fp8 import cast_tensorwise_reference, dequantize_1x16_reference, get_format, is_compiling, quantize_1x16_reference
 
 SAVE_FMT = "e4m3"  # forward activations are E4M3 (DESIGN 5.1)
 ACTIVATIONS = ("silu", "gelu")
@@ -123,6 +123,14 @@ def swiglu_bwd_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
     dup = g * silu
     dh = torch.stack([dgate, dup], dim=-2).reshape(*dp.shape[:-1], 2 * dp.shape[-1]).to(dp.dtype)
     return dh, _amax_of(dh)
+
+
+def swiglu_bwd_quantized_reference(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, fmt: str):
+    """-> (gq [M, 2F], gqt [2F, M], scale, max |dh|): `swiglu_bwd_reference`'s dh (M = its rows) cast per tensor
+    to `fmt` with its own amax, in both layouts (what the preceding FP8 linear's dgrad and wgrad read)."""
+    dh, amax = swiglu_bwd_reference(dp, hq, hs)
+    gq, gqt, scale = cast_tensorwise_reference(dh.reshape(-1, dh.shape[-1]), amax, fmt, True)
+    return gq, gqt, scale, amax
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -269,6 +277,29 @@ def _(dp, hq, hs):
     return dp.new_empty((*dp.shape[:-1], 2 * dp.shape[-1])), dp.new_empty((), dtype=torch.float32)
 
 
+def _swiglu_bwd_quantized_impl(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor,
+                               fmt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    get_format(fmt)
+    if _kernel_ok(dp, hq, hs):
+        return act_kernels.swiglu_bwd_quantized(dp, hq, hs, fmt)
+    return swiglu_bwd_quantized_reference(dp, hq, hs, fmt)
+
+
+@torch.library.triton_op("megacoat::fp8_swiglu_bwd_quantized", mutates_args=())
+def _swiglu_bwd_quantized_op(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor,
+                             fmt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _swiglu_bwd_quantized_impl(dp, hq, hs, fmt)
+
+
+@_swiglu_bwd_quantized_op.register_fake
+def _(dp, hq, hs, fmt):
+    f = dp.shape[-1]
+    m = dp.numel() // f if f else 0
+    dt = get_format(fmt).dtype
+    return (dp.new_empty((m, 2 * f), dtype=dt), dp.new_empty((2 * f, m), dtype=dt),
+            dp.new_empty((), dtype=torch.float32), dp.new_empty((), dtype=torch.float32))
+
+
 def _act_fwd_impl(h: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_act(kind)
     if _kernel_ok(h):
@@ -382,6 +413,14 @@ def swiglu_forward_saving_fp8(h: torch.Tensor):
 def swiglu_backward_with_amax(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor):
     """-> (dh, max |dh|) from the saved FP8 gate and up."""
     return _swiglu_bwd(dp, hq, hs)
+
+
+def swiglu_backward_quantized(dp: torch.Tensor, hq: torch.Tensor, hs: torch.Tensor, fmt: str):
+    """-> (gq, gqt, scale): the SwiGLU's input gradient as per-tensor FP8 (`fmt`) codes in both layouts, for
+    the FP8 linear whose output went through the SwiGLU; the bf16 gradient is never written (on the GPU: an
+    amax pass and a cast that recomputes it, bit for bit the codes of `swiglu_backward_with_amax` + the cast)."""
+    out = (_swiglu_bwd_quantized_op if is_compiling() else _swiglu_bwd_quantized_impl)(dp, hq, hs, fmt)
+    return out[0], out[1], out[2]
 
 
 def fp8_swiglu(h: torch.Tensor):

@@ -47,7 +47,7 @@ from ..kernels.fp8_gemm import fp8_wgrad_gemm, lt_gemm_ops
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
 from . import fp8
-from .activations import swiglu_backward_with_amax, swiglu_forward_saving_fp8
+from .activations import swiglu_backward_quantized, swiglu_backward_with_amax, swiglu_forward_saving_fp8
 from .recipe import Fp8Recipe
 
 
@@ -282,6 +282,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.main_grad, ctx.overwrite = main_grad, overwrite
         ctx.opts, ctx.has_bias, ctx.in_shape = opts, bias is not None, x.shape
         ctx.w_meta = (weight.shape, weight.dtype)
+        ctx.out_dtype = x.dtype  # dx's (g's before the fused SwiGLU backward, which returns no bf16 g)
         if opts.activation is not None:
             ctx.mark_non_differentiable(y_amax)
             return y.view(*lead, y.shape[-1]), y_amax
@@ -302,14 +303,18 @@ class _Fp8LinearFn(torch.autograd.Function):
         g_amax = extra[0] if opts.grad_amax_token else None
         if g is None:  # (only without materialized gradients) the output was not used
             return (None,) * 10
-        if opts.activation == "swiglu":
-            g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
+        g2 = None
+        if opts.activation == "swiglu" and not ctx.has_bias:
+            # The SwiGLU's gradient straight to FP8 in both layouts: its bf16 copy is never written or read.
+            gq, gqt, sg = swiglu_backward_quantized(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs, opts.grad_fmt)
+        else:
+            if opts.activation == "swiglu":  # the bias gradient needs the bf16 gradient
+                g, g_amax = swiglu_backward_with_amax(g.reshape(-1, g.shape[-1]).contiguous(), hq, hs)
+            g2 = g.reshape(-1, g.shape[-1])
+            gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
         if ctx.transient:  # the saved tensor is the bf16 weight: its W^T codes with the forward's scale
             _, wqt, _ = fp8.cast_tensorwise(wqt.detach(), w_amax, opts.fwd_fmt, True, rowwise=False)
-        n = g.shape[-1]
-        g2 = g.reshape(-1, n)
-        gq, gqt, sg = fp8.quantize_tensorwise(g2, opts.grad_fmt, transpose=True, amax_value=g_amax)
-        dx = fp8_gemm(gq, sg, wqt, w_scale, g.dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates, lt=opts.lt)
+        dx = fp8_gemm(gq, sg, wqt, w_scale, ctx.out_dtype, hw=opts.hw_gemm, candidates=opts.gemm_candidates, lt=opts.lt)
         if opts.sp_group is not None:
             dx = reduce_scatter_first(dx, opts.sp_group)
         dx = dx.view(ctx.in_shape)

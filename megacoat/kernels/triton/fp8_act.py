@@ -11,7 +11,8 @@ so the consumer's cast needs no amax pass and no extra launch. Group scales are 
 import triton
 import triton.language as tl
 
-from .fp8_quant import atomic_max_amax, group_tile, quantize_groups_store, quantize_groups_store4
+from .fp8_quant import (atomic_max_amax, group_tile, quantize_groups_store, quantize_groups_store4, sat_cast,
+                        tensor_scale)
 
 GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); globals in jit code must be constexpr
 
@@ -174,10 +175,21 @@ def swiglu_fwd_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, amax_ptr, M, F, G, FMAX: tl.c
 
 
 @triton.jit
+def _swiglu_grads(g, gate, up):
+    """(dgate, dup) in fp32 of p = silu(gate) * up: one expression for every SwiGLU backward kernel, so that
+    they round the same values."""
+    sig = tl.sigmoid(gate)
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = g * gate * sig
+    return dgate, dup
+
+
+@triton.jit
 def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.constexpr, BG: tl.constexpr,
-                      SPLIT: tl.constexpr):
-    """dh = [dgate; dup] from the saved FP8 gate and up; also max |dh| (as rounded) into amax_ptr:
-    dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass)."""
+                      SPLIT: tl.constexpr, STORE: tl.constexpr = True):
+    """dh = [dgate; dup] from the saved FP8 gate and up; also max |dh| (as rounded to dh's dtype) into
+    amax_ptr: dh is the preceding FP8 linear's output gradient, which it casts per tensor (no amax pass).
+    STORE=False: only the amax (dh_ptr gives the dtype; `swiglu_bwd_cast_kernel` then makes the codes)."""
     rows, groups, cols, mask, gmask = group_tile(M, F, G, BM, BG, SPLIT)
     r4 = rows[:, None, None, None]
     off2 = r4 * (2 * F) + cols
@@ -187,14 +199,55 @@ def swiglu_bwd_kernel(dp_ptr, q_ptr, qs_ptr, dh_ptr, amax_ptr, M, F, G, BM: tl.c
     up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * \
         tl.load(qs_ptr + soff + G, mask=gmask, other=0.0).to(tl.float32)[:, :, None, None]
     g = tl.load(dp_ptr + r4 * F + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = g * gate * sig
+    dgate, dup = _swiglu_grads(g, gate, up)
     dgate = dgate.to(dh_ptr.dtype.element_ty)
     dup = dup.to(dh_ptr.dtype.element_ty)
-    tl.store(dh_ptr + off2, dgate, mask=mask)
-    tl.store(dh_ptr + off2 + F, dup, mask=mask)
+    if STORE:
+        tl.store(dh_ptr + off2, dgate, mask=mask)
+        tl.store(dh_ptr + off2 + F, dup, mask=mask)
     atomic_max_amax(amax_ptr, _amax4(tl.maximum(tl.abs(dgate.to(tl.float32)), tl.abs(dup.to(tl.float32)))))
+
+
+@triton.jit
+def swiglu_bwd_cast_kernel(dp_ptr, q_ptr, qs_ptr, amax_ptr, scale_ptr, gq_ptr, gqt_ptr, M, F, G,
+                           FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    """The SwiGLU's input gradient dh = [dgate; dup] [M, 2F] (the values `swiglu_bwd_kernel` rounds to
+    dh's dtype, which is dp's), cast per tensor with the scale of amax_ptr (max |dh|, from that kernel's STORE=False pass) to
+    FP8 codes in both layouts the FP8 linear's backward reads: gq [M, 2F] and gqt [2F, M]. dh itself is never
+    written: the bf16 round trip through memory (and the cast's read of it) is what this kernel saves.
+    2-D grid over (row blocks, blocks of BF gate columns); program (0, 0) stores the scale."""
+    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+    scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
+    inv = tl.math.div_rn(1.0, scale)
+    if (pid_m == 0) & (pid_f == 0):
+        tl.store(scale_ptr, scale)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_f * BF + tl.arange(0, BF)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    off2 = rows[:, None] * (2 * F) + cols[None, :]
+    # The group scales: one load per 16 columns, broadcast over the group's columns in registers.
+    groups = pid_f * (BF // 16) + tl.arange(0, BF // 16)
+    smask = (rows[:, None] < M) & (groups[None, :] < G)
+    soff = rows[:, None] * (2 * G) + groups[None, :]
+    s_gate = tl.reshape(tl.broadcast_to(tl.load(qs_ptr + soff, mask=smask, other=0.0).to(tl.float32)[:, :, None],
+                                        (BM, BF // 16, 16)), (BM, BF))
+    s_up = tl.reshape(tl.broadcast_to(tl.load(qs_ptr + soff + G, mask=smask, other=0.0).to(tl.float32)[:, :, None],
+                                      (BM, BF // 16, 16)), (BM, BF))
+    gate = tl.load(q_ptr + off2, mask=mask, other=0.0).to(tl.float32) * s_gate
+    up = tl.load(q_ptr + off2 + F, mask=mask, other=0.0).to(tl.float32) * s_up
+    g = tl.load(dp_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dgate, dup = _swiglu_grads(g, gate, up)
+    dgate = dgate.to(dp_ptr.dtype.element_ty)
+    dup = dup.to(dp_ptr.dtype.element_ty)
+    out_ty = gq_ptr.dtype.element_ty
+    tl.store(gq_ptr + off2, sat_cast(dgate.to(tl.float32) * inv, FMAX, out_ty), mask=mask)
+    tl.store(gq_ptr + off2 + F, sat_cast(dup.to(tl.float32) * inv, FMAX, out_ty), mask=mask)
+    # Transposed as 16-bit values (shared memory moves 2-byte words), then the same multiply and cast.
+    tmask = tl.trans(mask)
+    tl.store(gqt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :],
+             sat_cast(tl.trans(dgate).to(tl.float32) * inv, FMAX, out_ty), mask=tmask)
+    tl.store(gqt_ptr + (cols + F)[:, None].to(tl.int64) * M + rows[None, :],
+             sat_cast(tl.trans(dup).to(tl.float32) * inv, FMAX, out_ty), mask=tmask)
 
 
 @triton.jit
