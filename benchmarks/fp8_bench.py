@@ -218,21 +218,30 @@ def part_swiglubwd(args):
                 _row("both (the path before)", bench_us(two_kernels), 16.25 * n),
                 _row("fused: amax pass + cast", bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")),
                      12.5 * n)]
+        # the amax pass alone (the 1x16 kernel storing nothing): reads 4.25n bytes
+        amax_only = lambda: KA._k().swiglu_bwd_kernel[KA._ew_grid("swiglu_bwd_amax", m, f // 16)[1]](  # noqa: E731
+            dp, hq, hs, dp, torch.zeros((), device=DEV), m, f, f // 16, STORE=False,
+            **KA._ew_grid("swiglu_bwd_amax", m, f // 16)[0])
+        rows.append(_row("the amax pass alone", bench_us(amax_only), 4.25 * n))
         want = two_kernels()
         sweep = []
-        for tile in ((128, 64, 8), (64, 128, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8), (256, 64, 8),
-                     (64, 128, 4), (32, 128, 4)):
-            old = KA.TILES["swiglu_bwd_cast"]
-            KA.TILES["swiglu_bwd_cast"] = tile
-            try:
-                got = KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")
-                sweep.append(dict(tile=list(tile), same_codes=_identical(got[:3], want),
-                                  time_us=round(bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")), 2)))
-            except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
-                sweep.append(dict(tile=list(tile), error=f"{type(e).__name__}: {str(e)[:200]}"))
-            finally:
-                KA.TILES["swiglu_bwd_cast"] = old
-            print(f"  tile {tile}: {sweep[-1]}", flush=True)
+        for name, tiles in (("swiglu_bwd_cast", ((128, 64, 8), (64, 128, 8), (64, 64, 4), (32, 128, 4), (32, 64, 4),
+                                                 (16, 128, 4), (32, 256, 8), (64, 64, 2), (32, 128, 2))),
+                            ("swiglu_bwd_amax", ((8, 16, 4, 1), (4, 64, 8, 2), (8, 64, 8, 2), (16, 32, 8, 2),
+                                                 (8, 32, 4, 2), (16, 64, 8, 2), (32, 32, 8, 1)))):
+            for tile in tiles:
+                old = KA.TILES[name]
+                KA.TILES[name] = tile
+                try:
+                    got = KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")
+                    sweep.append(dict(table=name, tile=list(tile), same_codes=_identical(got[:3], want),
+                                      time_us=round(bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")), 2)))
+                except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
+                    sweep.append(dict(table=name, tile=list(tile), error=f"{type(e).__name__}: {str(e)[:200]}"))
+                finally:
+                    KA.TILES[name] = old
+                print(f"  {name} {tile}: {sweep[-1].get('time_us', sweep[-1].get('error'))} us "
+                      f"same codes {sweep[-1].get('same_codes')}", flush=True)
         out[f"{m}x{f}"] = dict(rows=rows, same_codes=_identical(KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")[:3], want),
                                tile_sweep=sweep)
     return out

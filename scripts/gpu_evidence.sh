@@ -42,7 +42,7 @@ C="--seq-length 2048 --max-position-embeddings 2048 --mock-data --vocab-size 320
 mc() { name=$1; iters=$2; shift 2; late $name && return; echo "== megacoat $name $(el)" | tee -a $LOG
   # SMI=1: sample the SM clock and power while it runs (is a busier FP8 step slowed by the power limit?)
   [ "${SMI:-0}" = 1 ] && { nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 > /tmp/smi_$name.csv & smi=$!; }
-  timeout ${TMO:-200} python3 pretrain_gpt.py $C "$@" --train-iters $iters --log-interval ${LOG_INTERVAL:-5} --log-json /tmp/$name.jsonl 2>&1 \
+  timeout ${TMO:-200} python3 ${MC_LAUNCH:-pretrain_gpt.py} $C "$@" --train-iters $iters --log-interval ${LOG_INTERVAL:-5} --log-json /tmp/$name.jsonl 2>&1 \
     | grep -E "iteration +$iters/|rror|bytes/param|Traceback|memory|skipping cudagraphs|weight-cache" | cut -c1-600 | tee -a $LOG
   if [ "${SMI:-0}" = 1 ]; then kill $smi; python3 -c "
 import statistics as st
@@ -171,6 +171,8 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
+  # Inductor's combo kernels (independent small kernels of a graph launched as one; only when named)
+  c1 coat_combo && MC_LAUNCH="benchmarks/run_with_inductor_config.py combo_kernels=True -- " mc c1_coat_combo${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
   c1 coat_heuristic && mc c1_coat_heuristic${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-gemm-candidates 1
   # The loss through torch operations on an fp32 copy of the logits instead of the fused kernels (only when named)
   c1 bf16_eagerce && mc c1_bf16_eagerce${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-cross-entropy-loss-fusion

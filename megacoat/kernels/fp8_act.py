@@ -20,9 +20,12 @@ ACT_KIND = {"silu": 0, "gelu": 1}
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
          "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
-         # the SwiGLU backward straight to per-tensor FP8 (both layouts): (rows, gate columns, num_warps) of a
-         # 2-D tile; 128 rows: each row of the transposed copy is written 128 bytes at a time, as the cast's
-         "swiglu_bwd_cast": (128, 64, 8),
+         # The SwiGLU backward straight to per-tensor FP8 (both layouts): its amax pass (a 1x16 tile as above;
+         # it stores nothing, so larger tiles: fewer programs, fewer atomics on the one amax) and the cast's 2-D
+         # tile (rows, gate columns, num_warps). Cast: the best of `fp8_bench --parts swiglubwd` on the H200 at
+         # [8192, 2 x 5632] and [16384, 2 x 4096] (2026-12-02 session 15 call 2: 204.6 / 293.0 us with the amax pass,
+         # against 230.1 / 333.4 for (128, 64, 8)).
+         "swiglu_bwd_amax": (8, 64, 8, 2), "swiglu_bwd_cast": (32, 128, 4),
          # norm backward: (elements per loop iteration, programs per SM, num_warps (0: by the row width),
          # software-pipeline stages of the row loop). The sweep's best over 8192x2048, 4096x4096 and 16384x4096
          # with the fused residual gradient and its amax (fp8_bench --parts reductions, H200, 2026-12-02 session 12
@@ -151,7 +154,7 @@ def swiglu_bwd_quantized(dp, hq, hs, fmt: str):
     dev = dp.device
     q3, s3 = hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    tile, grid = _ew_grid("swiglu_bwd", m, g)
+    tile, grid = _ew_grid("swiglu_bwd_amax", m, g)
     _k().swiglu_bwd_kernel[grid](dp2, q3, s3, dp2, amax, m, f, g, STORE=False, **tile)
     dt = FP8_DTYPE[fmt]
     gq = torch.empty((m, 2 * f), dtype=dt, device=dev)
