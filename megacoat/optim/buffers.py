@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -77,6 +77,26 @@ class GradAccumulator:
 VIEW_ALIGN = 16
 
 
+def grad_bucket_layout(numels: Sequence[int], bucket_size: Optional[int]) -> List[Tuple[List[int], List[int], int]]:
+    """The non-sharded GradBuffer's buckets for parameters of these sizes, given in backward order: per bucket
+    (the indices of its parameters, each one's view start, the bucket's numel including the VIEW_ALIGN gaps). A
+    bucket closes once it holds `bucket_size` elements (None: one bucket). What the data-parallel all-reduce and
+    the gradient norm read (`training/planner.py` counts its bytes from it)."""
+    bucket_size = bucket_size or max(sum(numels), 1)
+    layout, current, size = [], [], 0
+    for i, n in enumerate(numels):
+        current.append(i)
+        size += n
+        if size >= bucket_size or i == len(numels) - 1:
+            starts, offset = [], 0
+            for j in current:
+                starts.append(offset)
+                offset = _round_up(offset + numels[j], VIEW_ALIGN)
+            layout.append((current, starts, offset))
+            current, size = [], 0
+    return layout
+
+
 class GradBuffer:
     """The non-sharded optimizer's gradient buffers: one flat tensor per bucket (no weight buffer).
 
@@ -93,25 +113,15 @@ class GradBuffer:
         self.params = [p for p in params if p.requires_grad]
         order = list(reversed(self.params))
         device = order[0].device if order else torch.device("cpu")
-        bucket_size = bucket_size or max(sum(p.numel() for p in order), 1)
-        groups, current, size = [], [], 0
-        for p in order:
-            current.append(p)
-            size += p.numel()
-            if size >= bucket_size or p is order[-1]:
-                groups.append(current)
-                current, size = [], 0
+        layout = grad_bucket_layout([p.numel() for p in order], bucket_size)
+        groups = [[order[j] for j in members] for members, _, _ in layout]
         self.buckets: List[torch.Tensor] = []
         self.bucket_of: Dict[int, int] = {}
         # Per bucket, the positions of the gaps between parameters (None: no gaps): zeroed in one launch whenever the
         # bucket gets memory (whole-bucket readers such as the data-parallel all-reduce and the gradient norm then
         # see zeros, never stale values).
         self.gaps: List[Optional[torch.Tensor]] = []
-        for i, group in enumerate(groups):
-            starts, offset = [], 0
-            for p in group:
-                starts.append(offset)
-                offset = _round_up(offset + p.numel(), VIEW_ALIGN)
+        for i, (group, (_, starts, offset)) in enumerate(zip(groups, layout)):
             data = torch.zeros(offset, dtype=dtype, device=device)
             for p, start in zip(group, starts):
                 p.main_grad = data[start: start + p.numel()].view_as(p)

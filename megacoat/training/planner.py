@@ -30,7 +30,7 @@ from ..model.gpt import padded_vocab_size
 from ..model.recompute import RecomputePlan
 from ..model.stages import build_model_chunks
 from ..model.transformer import LayerContext
-from ..optim.buffers import ParamGradBuffer, shard_alignment
+from ..optim.buffers import ParamGradBuffer, grad_bucket_layout, shard_alignment
 from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
 from ..parallel.context import ParallelContext
 from ..precision.linear import fp8_weight_copy_bytes
@@ -221,19 +221,13 @@ def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: t
                 bucket_size: int) -> Dict[str, Dict[str, int]]:
     """Bytes sent per step by this rank's data-parallel sync, per option. The ZeRO layout (buckets
     padded to shard_alignment) is the same for every option; the non-sharded optimizer all-reduces
-    its unpadded buckets."""
+    its buckets as GradBuffer lays them out (views 16-element aligned, the gaps included)."""
     dp = ctx.dp_size
     grad_elem = torch.empty((), dtype=grad_dtype).element_size()
     param_elem = params[0].element_size()
     out: Dict[str, Dict[str, int]] = {}
-    # Non-sharded: one all-reduce per bucket (the same bucketing as GradBuffer).
-    sizes, size = [], 0
-    order = list(reversed(params))
-    for p in order:
-        size += p.numel()
-        if size >= bucket_size or p is order[-1]:
-            sizes.append(size)
-            size = 0
+    # Non-sharded: one all-reduce per bucket.
+    sizes = [n for _, _, n in grad_bucket_layout([p.numel() for p in reversed(params)], bucket_size)]
     out["all-reduce (no ZeRO)"] = {"grad": sum(ring_all_reduce_bytes(n, grad_elem, dp) for n in sizes), "param": 0}
     buf = ParamGradBuffer([torch.empty_like(p, device=META).requires_grad_() for p in params], grad_dtype, dp,
                           ctx.dp_rank, bucket_size, shard_alignment(dp))
