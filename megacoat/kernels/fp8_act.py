@@ -162,7 +162,8 @@ def swiglu_bwd_quantized(dp, hq, hs, fmt: str):
     scale = torch.empty((), dtype=torch.float32, device=dev)
     bm, bf, warps = TILES["swiglu_bwd_cast"]
     if bf % 16:
-        raise ValueError(f"TILES['swiglu_bwd_cast'] columns per tile ({bf}) must be a multiple of 16 (whole 1x16 groups)")
+        raise ValueError(f"TILES['swiglu_bwd_cast'] columns per tile ({bf}) must be a multiple of 16 "
+                         "(whole 1x16 groups)")
     _k().swiglu_bwd_cast_kernel[(triton_cdiv(m, bm), triton_cdiv(f, bf))](
         dp2, q3, s3, amax, scale, gq, gqt, m, f, g, FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BF=bf, num_warps=warps)
     return gq, gqt, scale, amax

@@ -73,6 +73,22 @@ def atomic_max_amax(amax_ptr, v):
 
 
 @triton.jit
+def cast_tile(amax_ptr, scale_ptr, M, N, FMAX: tl.constexpr, EPS: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr):
+    """This program's [BM, BN] tile of a per-tensor cast over a 2-D grid (row blocks, column blocks) of an
+    [M, N] tensor -> (the reciprocal scale from the amax scalar, rows [BM] int64, cols [BN], mask [BM, BN]).
+    Program (0, 0) stores the scale."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
+    inv = tl.math.div_rn(1.0, scale)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_ptr, scale)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    return inv, rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
 def group_tile(M, K, G, BM: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr):
     """This program's [BM, BG, SPLIT, 16 // SPLIT] tile of a 1-D grid over (row blocks, group blocks),
     group blocks fastest. -> (rows [BM] int64, groups [BG], cols [1, BG, SPLIT, 16 // SPLIT],
@@ -123,14 +139,7 @@ def cast_kernel(x_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, K, stride_x,
     """q[m, k] = sat(x[m, k] * r) (unless not ROWWISE: a backward that needs only the transposed copy);
     with TRANSPOSE also qt[k, m] (qt is [K, M] row-major, written from the same registers through
     tl.trans). The scale comes from the amax scalar; program (0, 0) stores it."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    scale = tensor_scale(tl.load(amax_ptr), FMAX, EPS)
-    inv = tl.math.div_rn(1.0, scale)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(scale_ptr, scale)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    inv, rows, cols, mask = cast_tile(amax_ptr, scale_ptr, M, K, FMAX, EPS, BM, BK)
     xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if ROWWISE:
         q = sat_cast(xb.to(tl.float32) * inv, FMAX, q_ptr.dtype.element_ty)
