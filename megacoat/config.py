@@ -149,6 +149,11 @@ class PrecisionConfig:
               "(no fp32 copy of the [tokens, vocabulary] logits, no saved softmax). Default: on where they run "
               "(CUDA with Triton); --no-cross-entropy-loss-fusion: torch operations on an fp32 copy of the logits, "
               "as before the fusion.", tristate=True)
+    rope_fusion: Optional[bool] = _f(
+        None, "RoPE over the QKV output as one Triton kernel each way (q and k rotated, v copied; its backward "
+              "writes the QKV gradient), CUDA with Triton. Default: off until measured on the H200; "
+              "--no-rope-fusion: the torch operations (compiled by Inductor where layers are compiled).",
+        tristate=True)
 
 
 @dataclass

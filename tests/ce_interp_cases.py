@@ -2,17 +2,12 @@
 tests/test_cross_entropy.py in a fresh process (Triton decides at import whether kernels are interpreted).
 fp32 logits are compared to fp32 round-off; bf16 gradients within one bf16 ulp (the interpreter truncates
 fp32 -> bf16 casts, DESIGN 7)."""
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("interpreter tests run on CPU-only hosts", allow_module_level=True)
-pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run through tests/test_cross_entropy.py (a fresh process with TRITON_INTERPRET=1)",
-                allow_module_level=True)
+from interp_runner import skip_unless_interpreted
+
+skip_unless_interpreted("tests/test_cross_entropy.py")
 
 from megacoat.kernels import cross_entropy as K  # noqa: E402
 from megacoat.parallel.cross_entropy import row_stats_reference, softmax_grad_reference  # noqa: E402

@@ -9,19 +9,12 @@ The interpreter (triton 3.9 here) has two rounding defects, so its casts are not
 one bf16 ulp). Everything without a cast (amax, group scales, fp32 outputs) is compared exactly or to
 fp32 round-off. Bit-exactness on hardware: tests/test_fp8_gpu.py.
 """
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():  # the interpreter flag is process-wide: on a GPU host test the real kernels
-    pytest.skip("interpreter tests run on CPU-only hosts (GPU hosts: test_fp8_gpu.py)", allow_module_level=True)
-triton = pytest.importorskip("triton")
+from interp_runner import skip_unless_interpreted
 
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run through tests/test_fp8_triton_interp.py (a fresh process with TRITON_INTERPRET=1)",
-                allow_module_level=True)
+skip_unless_interpreted("tests/test_fp8_triton_interp.py")
 
 from fp8_oracle import assert_interpreted_fp8_close  # noqa: E402
 from megacoat.kernels import fp8 as K  # noqa: E402

@@ -16,3 +16,16 @@ def assert_interpreted_cases_pass(cases_file: str, timeout: int = 900) -> None:
                        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def skip_unless_interpreted(runner: str) -> None:
+    """At the top of an interpreter case file: skip the module on GPU hosts (the interpreter flag is process-wide;
+    they test the real kernels), without Triton, and unless run through `runner` (a fresh process with
+    TRITON_INTERPRET=1: Triton decides at import whether kernels are interpreted)."""
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only hosts", allow_module_level=True)
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(f"run through {runner} (a fresh process with TRITON_INTERPRET=1)", allow_module_level=True)

@@ -178,6 +178,17 @@ for qty, fmax in ((f8e5, 57344.0), (f8, 448.0)):
             assert "atom" not in ptx and "red.global" not in ptx, "swiglu_bwd_cast: no atomics (the amax is given)"
             if div16:  # both layouts of the codes stored 4+ bytes at a time
                 assert "st.global.b8" not in ptx, f"swiglu_bwd_cast {bm, bf_}: 1-byte stores"
+# the fused RoPE kernels (not FP8, compiled here too: every Triton kernel of megacoat's hot path): MHA and GQA,
+# head dims 128 and 72 (a half of 36: masked lanes)
+from megacoat.kernels.triton import rope as R  # noqa: E402
+rf = dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, k_ptr=bf, v_ptr=bf, R=i32, B=i32, G=i32, cs_s=i32, cs_b=i32)
+rb = dict(dq_ptr=bf, dk_ptr=bf, dv_ptr=bf, cos_ptr=bf, sin_ptr=bf, dqkv_ptr=bf, R=i32, B=i32, G=i32, cs_s=i32,
+          cs_b=i32, dq_s=i32, dq_b=i32, dq_h=i32, dk_s=i32, dk_b=i32, dk_h=i32, dv_s=i32, dv_b=i32, dv_h=i32)
+for qpg, half, block in ((1, 64, 64), (4, 36, 64)):
+    for div16 in (False, True):
+        consts = dict(QPG=qpg, HALF=half, BLOCK_H=block, ROWS=16)
+        ptx = comp(R.rope_qkv_fwd_kernel, rf, consts, 4, div16).asm["ptx"]
+        ptx = comp(R.rope_qkv_bwd_kernel, rb, consts, 4, div16).asm["ptx"]
 print("compiled all")
 '''
 

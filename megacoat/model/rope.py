@@ -1,6 +1,8 @@
 """Rotary position embeddings (the rotate-half layout used by Megatron and HF Llama)."""
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 
@@ -32,3 +34,107 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [s, b, heads, d]."""
     return x * cos + rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------- fused RoPE over the QKV output
+def rope_qkv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """qkv [s, b, groups, heads per group + 2, d] (Megatron's per-group layout) -> (q [s, b, heads, d] and
+    k [s, b, groups, d] rotated, v [s, b, groups, d] copied), contiguous, computed in fp32 (or fp64) and rounded
+    once."""
+    s, b, g, slots, d = qkv.shape
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    x = qkv[:, :, :, : slots - 1].to(acc)
+    c, sn = cos.to(acc).unsqueeze(3), sin.to(acc).unsqueeze(3)
+    y = (x * c + rotate_half(x) * sn).to(qkv.dtype)
+    q = y[:, :, :, : slots - 2].reshape(s, b, g * (slots - 2), d)
+    return q, y[:, :, :, slots - 2].contiguous(), qkv[:, :, :, slots - 1].contiguous()
+
+
+def rope_qkv_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of the QKV output [s, b, groups, heads per group + 2, d] from dq [s, b, heads, d], dk and dv
+    [s, b, groups, d]: the rotation transposed (dx = dy cos + rotate_half^T(dy sin)), fp32 (or fp64), rounded
+    once."""
+    s, b, n, d = dq.shape
+    g = dk.shape[2]
+    acc = torch.promote_types(dq.dtype, torch.float32)
+    dy = torch.cat([dq.to(acc).reshape(s, b, g, n // g, d), dk.to(acc).unsqueeze(3)], dim=3)
+    w = dy * sin.to(acc).unsqueeze(3)
+    w1, w2 = w.chunk(2, dim=-1)
+    dx = dy * cos.to(acc).unsqueeze(3) + torch.cat([w2, -w1], dim=-1)
+    return torch.cat([dx.to(dq.dtype), dv.unsqueeze(3).to(dq.dtype)], dim=3)
+
+
+def _rope_kernel_ok(*tensors) -> bool:
+    from ..kernels import triton_available
+    return all(t.is_cuda for t in tensors) and triton_available() and all(t.numel() > 0 for t in tensors)
+
+
+def _rope_qkv_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    if _rope_kernel_ok(qkv, cos, sin) and cos.stride(-1) == 1 and cos.stride() == sin.stride():
+        from ..kernels import rope as kernels
+        return kernels.rope_qkv(qkv, cos, sin)
+    return rope_qkv_reference(qkv, cos, sin)
+
+
+def _rope_qkv_backward_impl(dq, dk, dv, cos, sin):
+    if _rope_kernel_ok(dq, dk, dv, cos, sin) and cos.stride(-1) == 1 and cos.stride() == sin.stride():
+        from ..kernels import rope as kernels
+        return kernels.rope_qkv_backward(dq, dk, dv, cos, sin)
+    return rope_qkv_backward_reference(dq, dk, dv, cos, sin)
+
+
+@torch.library.triton_op("megacoat::rope_qkv", mutates_args=())
+def _rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+    return _rope_qkv_impl(qkv, cos, sin)
+
+
+@_rope_qkv_op.register_fake
+def _(qkv, cos, sin):
+    s, b, g, slots, d = qkv.shape
+    return (qkv.new_empty((s, b, g * (slots - 2), d)), qkv.new_empty((s, b, g, d)), qkv.new_empty((s, b, g, d)))
+
+
+@torch.library.triton_op("megacoat::rope_qkv_backward", mutates_args=())
+def _rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor:
+    return _rope_qkv_backward_impl(dq, dk, dv, cos, sin)
+
+
+@_rope_qkv_backward_op.register_fake
+def _(dq, dk, dv, cos, sin):
+    s, b, n, d = dq.shape
+    g = dk.shape[2]
+    return dq.new_empty((s, b, g, n // g + 2, d))
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class _RopeQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        out = (_rope_qkv_op if _compiling() else _rope_qkv_impl)(qkv, cos, sin)
+        ctx.out_meta = [(t.shape, t.dtype) for t in out]
+        return out
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        # An output that did not reach the loss has no gradient: zeros of its shape.
+        dq, dk, dv = (t if t is not None else torch.zeros(shape, dtype=dtype, device=cos.device)
+                      for t, (shape, dtype) in zip((dq, dk, dv), ctx.out_meta))
+        return (_rope_qkv_backward_op if _compiling() else _rope_qkv_backward_impl)(dq, dk, dv, cos, sin), None, None
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The fused RoPE over the QKV output (--rope-fusion): qkv [s, b, groups, heads per group + 2, d], cos and sin
+    [s, b, 1, d] -> (q [s, b, heads, d], k [s, b, groups, d]) rotated and v [s, b, groups, d], in one pass (one
+    Triton kernel on CUDA, one back); the same values as `apply_rotary` on each head, rounded once from fp32."""
+    if qkv.dim() != 5 or qkv.shape[3] < 3 or qkv.shape[-1] % 2:
+        raise ValueError(f"fused RoPE needs the QKV output as [s, b, groups, heads per group + 2, d] with an even d, "
+                         f"got {tuple(qkv.shape)}")
+    return _RopeQKV.apply(qkv, cos, sin)

@@ -22,7 +22,7 @@ from ..precision.activations import fp8_activation, fp8_norm
 from ..precision.linear import Fp8LinearImpl
 from ..precision.recipe import Fp8Recipe
 from .recompute import recompute
-from .rope import apply_rotary
+from .rope import apply_rotary, rope_qkv
 
 
 @dataclass
@@ -40,6 +40,8 @@ class LayerContext:
     # The loss through the fused cross-entropy kernels where they run (--no-cross-entropy-loss-fusion: the torch
     # references of parallel/cross_entropy.py).
     cross_entropy_fusion: bool = True
+    # RoPE over the QKV output through the fused op of model/rope.py (--rope-fusion), else torch operations.
+    rope_fusion: bool = False
     # FP8 recipe (--fp8-format/--fp8-recipe), None for bf16/fp32: the transformer linears run their GEMMs
     # in FP8 and, under coat, norms/activations save FP8 copies (the output layer and attention stay bf16).
     fp8: Optional[Fp8Recipe] = None
@@ -126,14 +128,17 @@ class SelfAttention(nn.Module):
     def _core(self, qkv, rope, attention_mask):
         """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]."""
         s, b = qkv.shape[0], qkv.shape[1]
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
-        k = qkv[:, :, :, self.q_per_group]
-        # A copy, not a view: attention saves v for backward, and a view would keep the whole QKV
-        # output (3x its size) alive until then.
-        v = qkv[:, :, :, self.q_per_group + 1].contiguous()
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rope is not None and self.lc.rope_fusion:  # q, k rotated and v copied in one pass
+            q, k, v = rope_qkv(qkv, *rope)
+        else:
+            q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
+            k = qkv[:, :, :, self.q_per_group]
+            # A copy, not a view: attention saves v for backward, and a view would keep the whole QKV
+            # output (3x its size) alive until then.
+            v = qkv[:, :, :, self.q_per_group + 1].contiguous()
+            if rope is not None:
+                cos, sin = rope
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [s, b, n, d] -> [b, n, s, d] for SDPA.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.q_per_group > 1:

@@ -165,7 +165,7 @@ class Trainer:
                           self.device, cfg.train.seed,
                           gradient_accumulation_fusion=cfg.precision.gradient_accumulation_fusion,
                           cross_entropy_fusion=cfg.precision.cross_entropy_loss_fusion is not False,
-                          fp8=self.recipe.fp8)
+                          rope_fusion=cfg.precision.rope_fusion is True, fp8=self.recipe.fp8)
         # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
         self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
                                                      self.padded_vocab, compile_layers=compile_layers)
