@@ -219,9 +219,9 @@ def part_swiglubwd(args):
                 _row("fused: amax pass + cast", bench_us(lambda: KA.swiglu_bwd_quantized(dp, hq, hs, "e5m2")),
                      12.5 * n)]
         # the amax pass alone (the 1x16 kernel storing nothing): reads 4.25n bytes
-        amax_only = lambda: KA._k().swiglu_bwd_kernel[KA._ew_grid("swiglu_bwd_amax", m, f // 16)[1]](  # noqa: E731
-            dp, hq, hs, dp, torch.zeros((), device=DEV), m, f, f // 16, STORE=False,
-            **KA._ew_grid("swiglu_bwd_amax", m, f // 16)[0])
+        tile, grid = KA._ew_grid("swiglu_bwd_amax", m, f // 16)
+        amax_only = lambda: KA._k().swiglu_bwd_kernel[grid](  # noqa: E731
+            dp, hq, hs, dp, torch.zeros((), device=DEV), m, f, f // 16, STORE=False, **tile)
         rows.append(_row("the amax pass alone", bench_us(amax_only), 4.25 * n))
         want = two_kernels()
         sweep = []

@@ -187,8 +187,11 @@ rb = dict(dq_ptr=bf, dk_ptr=bf, dv_ptr=bf, cos_ptr=bf, sin_ptr=bf, dqkv_ptr=bf, 
 for qpg, half, block in ((1, 64, 64), (4, 36, 64)):
     for div16 in (False, True):
         consts = dict(QPG=qpg, HALF=half, BLOCK_H=block, ROWS=16)
-        ptx = comp(R.rope_qkv_fwd_kernel, rf, consts, 4, div16).asm["ptx"]
-        ptx = comp(R.rope_qkv_bwd_kernel, rb, consts, 4, div16).asm["ptx"]
+        for fn, sig in ((R.rope_qkv_fwd_kernel, rf), (R.rope_qkv_bwd_kernel, rb)):
+            ptx = comp(fn, sig, consts, 4, div16).asm["ptx"]
+            if div16 and half == 64:  # aligned head dims: every access 16 bytes (8 bf16) at a time
+                assert not re.search(r"(ld|st)\.global\.(b16|v2\.b16|b32)\b", ptx), f"{fn.__name__}: narrow accesses"
+                assert count(ptx, "ld.global.v4.b32") == 10 and count(ptx, "st.global.v4.b32") == 6, fn.__name__
 print("compiled all")
 '''
 

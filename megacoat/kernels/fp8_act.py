@@ -152,6 +152,10 @@ def swiglu_bwd_quantized(dp, hq, hs, fmt: str):
     dp2 = dp.contiguous().view(-1, f)
     m, g = dp2.shape[0], triton_cdiv(f, 16)
     dev = dp.device
+    bm, bf, warps = TILES["swiglu_bwd_cast"]
+    if bf % 16:
+        raise ValueError(f"TILES['swiglu_bwd_cast'] columns per tile ({bf}) must be a multiple of 16 "
+                         "(whole 1x16 groups)")
     q3, s3 = hq.contiguous().view(m, 2, f), hs.contiguous().view(m, 2, g)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
     tile, grid = _ew_grid("swiglu_bwd_amax", m, g)
@@ -160,10 +164,6 @@ def swiglu_bwd_quantized(dp, hq, hs, fmt: str):
     gq = torch.empty((m, 2 * f), dtype=dt, device=dev)
     gqt = torch.empty((2 * f, m), dtype=dt, device=dev)
     scale = torch.empty((), dtype=torch.float32, device=dev)
-    bm, bf, warps = TILES["swiglu_bwd_cast"]
-    if bf % 16:
-        raise ValueError(f"TILES['swiglu_bwd_cast'] columns per tile ({bf}) must be a multiple of 16 "
-                         "(whole 1x16 groups)")
     _k().swiglu_bwd_cast_kernel[(triton_cdiv(m, bm), triton_cdiv(f, bf))](
         dp2, q3, s3, amax, scale, gq, gqt, m, f, g, FMAX=FP8_MAX[fmt], EPS=EPS, BM=bm, BF=bf, num_warps=warps)
     return gq, gqt, scale, amax

@@ -5,6 +5,8 @@ from typing import Tuple
 
 import torch
 
+from ..precision.fp8 import is_compiling
+
 
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos/sin tables [max_pos, head_dim] in fp32; looks them up by position id."""
@@ -65,20 +67,24 @@ def rope_qkv_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Te
     return torch.cat([dx.to(dq.dtype), dv.unsqueeze(3).to(dq.dtype)], dim=3)
 
 
-def _rope_kernel_ok(*tensors) -> bool:
+def _rope_kernel_ok(cos: torch.Tensor, sin: torch.Tensor, *tensors) -> bool:
+    """The Triton kernels take these: CUDA, Triton importable, non-empty, cos and sin in one layout with d
+    contiguous (the launchers' tables)."""
     from ..kernels import triton_available
-    return all(t.is_cuda for t in tensors) and triton_available() and all(t.numel() > 0 for t in tensors)
+    every = (cos, sin, *tensors)
+    return (all(t.is_cuda and t.numel() > 0 for t in every) and triton_available() and cos.stride(-1) == 1
+            and cos.stride() == sin.stride())
 
 
 def _rope_qkv_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    if _rope_kernel_ok(qkv, cos, sin) and cos.stride(-1) == 1 and cos.stride() == sin.stride():
+    if _rope_kernel_ok(cos, sin, qkv):
         from ..kernels import rope as kernels
         return kernels.rope_qkv(qkv, cos, sin)
     return rope_qkv_reference(qkv, cos, sin)
 
 
 def _rope_qkv_backward_impl(dq, dk, dv, cos, sin):
-    if _rope_kernel_ok(dq, dk, dv, cos, sin) and cos.stride(-1) == 1 and cos.stride() == sin.stride():
+    if _rope_kernel_ok(cos, sin, dq, dk, dv):
         from ..kernels import rope as kernels
         return kernels.rope_qkv_backward(dq, dk, dv, cos, sin)
     return rope_qkv_backward_reference(dq, dk, dv, cos, sin)
@@ -109,15 +115,11 @@ def _(dq, dk, dv, cos, sin):
     return dq.new_empty((s, b, g, n // g + 2, d))
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin):
         ctx.save_for_backward(cos, sin)
-        out = (_rope_qkv_op if _compiling() else _rope_qkv_impl)(qkv, cos, sin)
+        out = (_rope_qkv_op if is_compiling() else _rope_qkv_impl)(qkv, cos, sin)
         ctx.out_meta = [(t.shape, t.dtype) for t in out]
         return out
 
@@ -127,7 +129,7 @@ class _RopeQKV(torch.autograd.Function):
         # An output that did not reach the loss has no gradient: zeros of its shape.
         dq, dk, dv = (t if t is not None else torch.zeros(shape, dtype=dtype, device=cos.device)
                       for t, (shape, dtype) in zip((dq, dk, dv), ctx.out_meta))
-        return (_rope_qkv_backward_op if _compiling() else _rope_qkv_backward_impl)(dq, dk, dv, cos, sin), None, None
+        return (_rope_qkv_backward_op if is_compiling() else _rope_qkv_backward_impl)(dq, dk, dv, cos, sin), None, None
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
