@@ -4,7 +4,9 @@ Inductor as the layers are: forward (q, k rotated, v copied) and backward (the Q
 dq, dk, dv), median ms (CUDA events) and the bytes each fused kernel moves against ~4.3 TB/s. Also checks that
 the two paths agree (within bf16 rounding).
 
-    python benchmarks/rope_bench.py --out /tmp/rope.json [--iters 50]
+    python benchmarks/rope_bench.py --out /tmp/rope.json [--iters 50] [--sweep]
+
+--sweep also times each kernel under every (rows, groups per program, warps) of a grid (kernels/rope.py TILES).
 """
 import argparse
 import json
@@ -40,7 +42,30 @@ def close(a, b) -> bool:
     return bool(((a - b).abs() <= 2 ** -7 * b.abs() + 2 ** -6 * b.abs().max()).all())
 
 
-def run_shape(name, s, b, g, qpg, d, iters: int) -> dict:
+SWEEP = [(r, g, w) for r in (8, 16, 32, 64) for g in (1, 2, 4) for w in (4, 8) if r * 64 // (32 * w) >= 4]
+
+
+def sweep_tiles(qkv, cos, sin, dq, dk, dv, iters: int) -> dict:
+    """Both kernels under every tile of SWEEP; the launchers' TILES restored after. Microseconds by tile."""
+    out, saved = {}, dict(K.TILES)
+    try:
+        for name, fn in (("rope_fwd", lambda: K.rope_qkv(qkv, cos, sin)),
+                         ("rope_bwd", lambda: K.rope_qkv_backward(dq, dk, dv, cos, sin))):
+            us = {}
+            for tile in sorted(set(SWEEP) | {saved[name]}):
+                K.TILES[name] = tile
+                us["x".join(map(str, tile))] = round(timed(fn, iters) * 1e3, 1)
+            K.TILES[name] = saved[name]
+            best = min(us, key=us.get)
+            current = "x".join(map(str, saved[name]))
+            out[name] = dict(us=us, fastest=best, current=current)
+            print(f"  {name}: fastest {best} {us[best]} us; current {current} {us[current]} us", flush=True)
+    finally:
+        K.TILES.update(saved)
+    return out
+
+
+def run_shape(name, s, b, g, qpg, d, iters: int, sweep: bool = False) -> dict:
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     qkv = torch.randn(s, b, g, qpg + 2, d, device=dev, generator=gen).to(torch.bfloat16)
@@ -71,6 +96,8 @@ def run_shape(name, s, b, g, qpg, d, iters: int) -> dict:
              fused_fwd_pct_of_hbm=round(100 * nbytes / (t["fused_fwd"] * 1e-3) / 1e9 / HBM_GBPS, 1),
              fused_bwd_pct_of_hbm=round(100 * nbytes / (t["fused_bwd"] * 1e-3) / 1e9 / HBM_GBPS, 1))
     print(json.dumps(r), flush=True)
+    if sweep:
+        r["sweep"] = sweep_tiles(qkv, cos, sin, dq, dk, dv, iters)
     return r
 
 
@@ -78,10 +105,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("rope_bench.py times GPU kernels: run it on a CUDA device")
-    rows = [run_shape(*shape, iters=args.iters) for shape in SHAPES]
+    rows = [run_shape(*shape, iters=args.iters, sweep=args.sweep) for shape in SHAPES]
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 

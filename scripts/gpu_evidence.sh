@@ -4,7 +4,7 @@
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   optncu    Nsight Compute sections of the fused AdamW kernel, one launch per NCU_CASES entry (case:variant; after build)
-#   fp8bench / sdpbench / optbench / refreshbench / cebench / ropebench   the COAT FP8, SDP4Bit, FP8-optimizer, FP8 weight-refresh, fused cross-entropy and fused RoPE benchmarks (JSON; FP8_ARGS, OPT_ARGS, CE_ARGS)
+#   fp8bench / sdpbench / optbench / refreshbench / cebench / ropebench   the COAT FP8, SDP4Bit, FP8-optimizer, FP8 weight-refresh, fused cross-entropy and fused RoPE benchmarks (JSON; FP8_ARGS, OPT_ARGS, CE_ARGS, ROPE_ARGS)
 #   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
 #   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
@@ -115,6 +115,7 @@ for b in fp8bench:fp8_bench.py sdpbench:sdp4bit_bench.py optbench:optimizer_benc
   st=${b%%:*}; f=${b##*:}
   if has $st && ! late $st && [ -f benchmarks/$f ]; then echo "== $f $(el)" | tee -a $LOG
     extra=""; [ $st = fp8bench ] && extra="${FP8_ARGS:-}"; [ $st = optbench ] && extra="${OPT_ARGS:-}"; [ $st = cebench ] && extra="${CE_ARGS:-}"
+    [ $st = ropebench ] && extra="${ROPE_ARGS:-}"
     timeout ${BENCH_TMO:-170} python3 benchmarks/$f --out $OUT/${st}.json $extra 2>&1 | grep -v Warning | tail -30 | tee -a $LOG
   fi
 done

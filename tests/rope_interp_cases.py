@@ -26,9 +26,12 @@ def _close(a, b, dtype):
         assert ((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("tile", [(16, 1, 4), (8, 2, 4)])  # (rows, groups, warps): rows and groups masked at edges
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s,b,g,qpg,d", [(5, 3, 2, 1, 8), (17, 2, 3, 2, 6), (33, 1, 1, 4, 20)])
-def test_rope_qkv_kernels(s, b, g, qpg, d, dtype):
+def test_rope_qkv_kernels(s, b, g, qpg, d, dtype, tile, monkeypatch):
+    monkeypatch.setitem(K.TILES, "rope_fwd", tile)
+    monkeypatch.setitem(K.TILES, "rope_bwd", tile)
     gen = torch.Generator().manual_seed(s * 7 + d)
     qkv = torch.randn(s, b, g, qpg + 2, d, generator=gen).to(dtype)
     cos, sin = _tables(s, b, d, dtype, s)

@@ -9,7 +9,9 @@ import torch
 from . import TraceableKernels
 from .fp8 import triton_cdiv
 
-ROWS = 16  # rows (tokens) per program: 16 x (heads per group + 2) x d elements per program
+# (rows, groups per program, warps); rows x groups x (heads per group + 2) x d elements per program
+# (benchmarks/rope_bench.py --sweep times the choices)
+TILES = {"rope_fwd": (16, 1, 4), "rope_bwd": (16, 1, 4)}
 
 
 @lru_cache(maxsize=None)
@@ -20,6 +22,13 @@ def _k():
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _launch(kernel, name: str, rows: int, g: int, *args, qpg: int, d: int):
+    r, groups, warps = TILES[name]
+    kernel[(triton_cdiv(rows, r), triton_cdiv(g, groups))](
+        *args, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), QSLOTS=_pow2(qpg), ROWS=r, GROUPS=groups,
+        num_warps=warps)
 
 
 def _table_strides(cos: torch.Tensor, sin: torch.Tensor):
@@ -39,8 +48,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     v = qkv.new_empty((s, b, g, d))
     cs_s, cs_b = _table_strides(cos, sin)
     rows = s * b
-    _k().rope_qkv_fwd_kernel[(triton_cdiv(rows, ROWS), g)](
-        qkv, cos, sin, q, k, v, rows, b, g, cs_s, cs_b, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), ROWS=ROWS)
+    _launch(_k().rope_qkv_fwd_kernel, "rope_fwd", rows, g, qkv, cos, sin, q, k, v, rows, b, g, cs_s, cs_b,
+            qpg=qpg, d=d)
     return q, k, v
 
 
@@ -54,8 +63,7 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     dqkv = dq.new_empty((s, b, g, qpg + 2, d))
     cs_s, cs_b = _table_strides(cos, sin)
     rows = s * b
-    _k().rope_qkv_bwd_kernel[(triton_cdiv(rows, ROWS), g)](
-        dq, dk, dv, cos, sin, dqkv, rows, b, g, cs_s, cs_b, dq.stride(0), dq.stride(1), dq.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), ROWS=ROWS)
+    _launch(_k().rope_qkv_bwd_kernel, "rope_bwd", rows, g, dq, dk, dv, cos, sin, dqkv, rows, b, g, cs_s, cs_b,
+            dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2), qpg=qpg, d=d)
     return dqkv

@@ -5,16 +5,30 @@ heads, then k, then v). Forward: one pass reads it and writes the rotated q [row
 copy of v [rows, groups, d] (three kernels before, each reading its part). Backward: one pass reads dq, dk, dv (any
 strides with a contiguous last dim: they come from the attention backward) and writes the QKV output's gradient,
 rotated back. Rotate-half layout on the halves of d: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; fp32 math, one
-rounding. Programs take ROWS rows of one group; the cos/sin tables are [s, b, d] with any strides (d contiguous).
+rounding. The cos/sin tables are [s, b, d] with any strides (d contiguous).
+
+A program takes ROWS rows and GROUPS groups, one group at a time; the tables are loaded once per program. Per
+group, every load (the query heads as one [ROWS, QSLOTS, d / 2] tile per half, QSLOTS = heads per group padded to a
+power of two; k and v as [ROWS, 1, d / 2] tiles) is issued before the first store: stores may alias later loads for
+all the compiler knows, and a loop over the heads that loads, then stores, waited for memory at each head (~50% of
+HBM). The three parts keep separate pointers: one pointer chosen per slot with tl.where loses the 16-byte accesses.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _tables(cos_ptr, sin_ptr, rows, B, cs_s, cs_b, h, HALF: tl.constexpr, mask):
-    """cos and sin halves in fp32 of rows r = s_index * B + b_index: [ROWS, BLOCK_H] each."""
-    base = ((rows // B) * cs_s + (rows % B) * cs_b)[:, None] + h[None, :]
+def _tile(R, ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, QSLOTS: tl.constexpr):
+    """This program's rows [ROWS, 1, 1] (int64), query slots [1, QSLOTS, 1] and half-dim lanes [1, 1, BLOCK_H]."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    return rows[:, None, None], tl.arange(0, QSLOTS)[None, :, None], tl.arange(0, BLOCK_H)[None, None, :]
+
+
+@triton.jit
+def _tables(cos_ptr, sin_ptr, r, B, cs_s, cs_b, h, R, HALF: tl.constexpr):
+    """cos and sin halves in fp32 of rows r = s_index * B + b_index: [ROWS, 1, BLOCK_H] each."""
+    base = (r // B) * cs_s + (r % B) * cs_b + h
+    mask = (r < R) & (h < HALF)
     c1 = tl.load(cos_ptr + base, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + base + HALF, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + base, mask=mask, other=0.0).to(tl.float32)
@@ -23,62 +37,80 @@ def _tables(cos_ptr, sin_ptr, rows, B, cs_s, cs_b, h, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _tile(R, ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This program's rows [ROWS] (int64), half-dim lanes [BLOCK_H] and mask [ROWS, BLOCK_H]; grid (row blocks,
-    groups)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    h = tl.arange(0, BLOCK_H)
-    return rows, h, (rows < R)[:, None] & (h < HALF)[None, :]
+def _rotate(x1, x2, c1, c2, s1, s2):
+    """y = x cos + rotate_half(x) sin, on the halves."""
+    return x1 * c1 + (-x2) * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _rotate_back(dy1, dy2, c1, c2, s1, s2):
+    """The transpose: dx = dy cos + rotate_half^T(dy sin), on the halves."""
+    return dy1 * c1 + dy2 * s2, dy2 * c2 + (-dy1) * s1
+
+
+@triton.jit
+def _load_halves(ptr, mask, HALF: tl.constexpr):
+    return (tl.load(ptr, mask=mask, other=0.0).to(tl.float32),
+            tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _store_halves(ptr, y1, y2, mask, HALF: tl.constexpr):
+    tl.store(ptr, y1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rope_qkv_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, B, G, cs_s, cs_b, QPG: tl.constexpr,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, QSLOTS: tl.constexpr, ROWS: tl.constexpr,
+                        GROUPS: tl.constexpr):
     """qkv [R, G, QPG + 2, D] -> q [R, G * QPG, D] and k [R, G, D] rotated, v [R, G, D] copied."""
-    g = tl.program_id(1)
-    rows, h, mask = _tile(R, ROWS, HALF, BLOCK_H)
+    r, j, h = _tile(R, ROWS, HALF, BLOCK_H, QSLOTS)
     D: tl.constexpr = 2 * HALF
-    c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, rows, B, cs_s, cs_b, h, HALF, mask)
-    src = qkv_ptr + ((rows * G + g) * ((QPG + 2) * D))[:, None] + h[None, :]
-    for j in tl.static_range(QPG + 1):  # the group's query heads, then its key head
-        x1 = tl.load(src + j * D, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + j * D + HALF, mask=mask, other=0.0).to(tl.float32)
-        y1 = x1 * c1 + (-x2) * s1
-        y2 = x2 * c2 + x1 * s2
-        if j < QPG:
-            dst = q_ptr + ((rows * G + g) * QPG + j)[:, None] * D + h[None, :]
-        else:
-            dst = k_ptr + ((rows * G + g) * D)[:, None] + h[None, :]
-        tl.store(dst, y1.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, y2.to(q_ptr.dtype.element_ty), mask=mask)
-    vdst = v_ptr + ((rows * G + g) * D)[:, None] + h[None, :]
-    tl.store(vdst, tl.load(src + (QPG + 1) * D, mask=mask), mask=mask)
-    tl.store(vdst + HALF, tl.load(src + (QPG + 1) * D + HALF, mask=mask), mask=mask)
+    c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, r, B, cs_s, cs_b, h, R, HALF)
+    for i in tl.range(0, GROUPS):
+        g = tl.program_id(1) * GROUPS + i
+        # g < G as a tensor: the interpreter refuses a scalar bool in a mask
+        kmask = (r < R) & (r * 0 + g < G) & (h < HALF)
+        qmask = kmask & (j < QPG)
+        src = qkv_ptr + (r * G + g) * ((QPG + 2) * D) + h
+        xq1, xq2 = _load_halves(src + j * D, qmask, HALF)
+        xk1, xk2 = _load_halves(src + QPG * D, kmask, HALF)
+        v = src + (QPG + 1) * D
+        v1 = tl.load(v, mask=kmask)
+        v2 = tl.load(v + HALF, mask=kmask)
+        yq1, yq2 = _rotate(xq1, xq2, c1, c2, s1, s2)
+        yk1, yk2 = _rotate(xk1, xk2, c1, c2, s1, s2)
+        _store_halves(q_ptr + ((r * G + g) * QPG + j) * D + h, yq1, yq2, qmask, HALF)
+        _store_halves(k_ptr + (r * G + g) * D + h, yk1, yk2, kmask, HALF)
+        tl.store(v_ptr + (r * G + g) * D + h, v1, mask=kmask)
+        tl.store(v_ptr + (r * G + g) * D + h + HALF, v2, mask=kmask)
 
 
 @triton.jit
 def rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, B, G, cs_s, cs_b,
                         dq_s, dq_b, dq_h, dk_s, dk_b, dk_h, dv_s, dv_b, dv_h, QPG: tl.constexpr,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, QSLOTS: tl.constexpr, ROWS: tl.constexpr,
+                        GROUPS: tl.constexpr):
     """dq [s, b, G * QPG, D], dk and dv [s, b, G, D] (by their strides) -> dqkv [R, G, QPG + 2, D], R = s * b."""
-    g = tl.program_id(1)
-    rows, h, mask = _tile(R, ROWS, HALF, BLOCK_H)
+    r, j, h = _tile(R, ROWS, HALF, BLOCK_H, QSLOTS)
     D: tl.constexpr = 2 * HALF
-    c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, rows, B, cs_s, cs_b, h, HALF, mask)
-    s_idx = rows // B
-    b_idx = rows % B
-    dst = dqkv_ptr + ((rows * G + g) * ((QPG + 2) * D))[:, None] + h[None, :]
-    for j in tl.static_range(QPG + 1):
-        if j < QPG:
-            src = dq_ptr + (s_idx * dq_s + b_idx * dq_b + (g * QPG + j) * dq_h)[:, None] + h[None, :]
-        else:
-            src = dk_ptr + (s_idx * dk_s + b_idx * dk_b + g * dk_h)[:, None] + h[None, :]
-        dy1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        dy2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        dx1 = dy1 * c1 + dy2 * s2
-        dx2 = dy2 * c2 + (-dy1) * s1
-        tl.store(dst + j * D, dx1.to(dqkv_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + j * D + HALF, dx2.to(dqkv_ptr.dtype.element_ty), mask=mask)
-    src = dv_ptr + (s_idx * dv_s + b_idx * dv_b + g * dv_h)[:, None] + h[None, :]
-    tl.store(dst + (QPG + 1) * D, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + (QPG + 1) * D + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+    c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, r, B, cs_s, cs_b, h, R, HALF)
+    s_idx = r // B
+    b_idx = r % B
+    for i in tl.range(0, GROUPS):
+        g = tl.program_id(1) * GROUPS + i
+        kmask = (r < R) & (r * 0 + g < G) & (h < HALF)  # g < G as a tensor (see the forward)
+        qmask = kmask & (j < QPG)
+        dyq1, dyq2 = _load_halves(dq_ptr + s_idx * dq_s + b_idx * dq_b + (g * QPG + j) * dq_h + h, qmask, HALF)
+        dyk1, dyk2 = _load_halves(dk_ptr + s_idx * dk_s + b_idx * dk_b + g * dk_h + h, kmask, HALF)
+        v = dv_ptr + s_idx * dv_s + b_idx * dv_b + g * dv_h + h
+        v1 = tl.load(v, mask=kmask)
+        v2 = tl.load(v + HALF, mask=kmask)
+        dxq1, dxq2 = _rotate_back(dyq1, dyq2, c1, c2, s1, s2)
+        dxk1, dxk2 = _rotate_back(dyk1, dyk2, c1, c2, s1, s2)
+        dst = dqkv_ptr + (r * G + g) * ((QPG + 2) * D) + h
+        _store_halves(dst + j * D, dxq1, dxq2, qmask, HALF)
+        _store_halves(dst + QPG * D, dxk1, dxk2, kmask, HALF)
+        tl.store(dst + (QPG + 1) * D, v1, mask=kmask)
+        tl.store(dst + (QPG + 1) * D + HALF, v2, mask=kmask)
