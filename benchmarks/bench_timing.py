@@ -5,8 +5,10 @@ import torch
 HBM_GBPS = 4300.0  # H200: ~4.3 TB/s of a device copy (the ceiling every "% of HBM" is against)
 
 
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over iters calls (CUDA events)."""
+def timed(fn, iters: int, warmup: int = 3, reps: int = 1) -> float:
+    """Median milliseconds of fn() over iters calls (CUDA events). reps > 1: each timed sample is reps calls back to
+    back, divided by reps: for kernels shorter than their host launch, whose single launch onto an idle GPU would
+    time the launch, not the kernel (in training the queue is full)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -14,9 +16,10 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     times.sort()
     return times[len(times) // 2]

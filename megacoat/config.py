@@ -151,7 +151,8 @@ class PrecisionConfig:
               "as before the fusion.", tristate=True)
     rope_fusion: Optional[bool] = _f(
         None, "RoPE over the QKV output as one Triton kernel each way (q and k rotated, v copied; its backward "
-              "writes the QKV gradient), CUDA with Triton. Default: off until measured on the H200; "
+              "writes the QKV gradient and, under FP8, hands the QKV linear its amax). Default: on where the "
+              "kernels run (CUDA with Triton; elsewhere --rope-fusion runs their torch reference); "
               "--no-rope-fusion: the torch operations (compiled by Inductor where layers are compiled).",
         tristate=True)
 

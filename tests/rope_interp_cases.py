@@ -42,8 +42,10 @@ def test_rope_qkv_kernels(s, b, g, qpg, d, dtype, tile, monkeypatch):
     dq = torch.randn(b, g * qpg, s, d, generator=gen).to(dtype).permute(2, 0, 1, 3)
     dk = torch.randn(b, g, s, d, generator=gen).to(dtype).permute(2, 0, 1, 3)
     dv = torch.randn(s, b, g, d, generator=gen).to(dtype)
-    got = K.rope_qkv_backward(dq, dk, dv, cos, sin)
-    want = rope_qkv_backward_reference(dq, dk, dv, cos, sin)
+    got, amax = K.rope_qkv_backward(dq, dk, dv, cos, sin, True)
+    want, _ = rope_qkv_backward_reference(dq, dk, dv, cos, sin)
+    assert amax == got.abs().amax().float()  # of the stored values (the FP8 QKV linear's cast scale)
+    assert K.rope_qkv_backward(dq, dk, dv, cos, sin)[1].numel() == 0
     assert got.shape == (s, b, g, qpg + 2, d)
     _close(got, want, dtype)
     assert torch.equal(got[:, :, :, qpg + 1], dv)  # v's gradient passes through unchanged

@@ -182,15 +182,16 @@ for qty, fmax in ((f8e5, 57344.0), (f8, 448.0)):
 # head dims 128 and 72 (a half of 36: masked lanes)
 from megacoat.kernels.triton import rope as R  # noqa: E402
 rf = dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, k_ptr=bf, v_ptr=bf, R=i32, B=i32, G=i32, cs_s=i32, cs_b=i32)
-rb = dict(dq_ptr=bf, dk_ptr=bf, dv_ptr=bf, cos_ptr=bf, sin_ptr=bf, dqkv_ptr=bf, R=i32, B=i32, G=i32, cs_s=i32,
-          cs_b=i32, dq_s=i32, dq_b=i32, dq_h=i32, dk_s=i32, dk_b=i32, dk_h=i32, dv_s=i32, dv_b=i32, dv_h=i32)
+rb = dict(dq_ptr=bf, dk_ptr=bf, dv_ptr=bf, cos_ptr=bf, sin_ptr=bf, dqkv_ptr=bf, amax_ptr=f32, R=i32, B=i32, G=i32,
+          cs_s=i32, cs_b=i32, dq_s=i32, dq_b=i32, dq_h=i32, dk_s=i32, dk_b=i32, dk_h=i32, dv_s=i32, dv_b=i32, dv_h=i32)
 from megacoat.kernels.rope import TILES as RT  # noqa: E402
 for qpg, half, block in ((1, 64, 64), (4, 36, 64)):
     for rows, groups, warps in {RT["rope_fwd"], RT["rope_bwd"], (8, 4, 4)}:
         for div16 in (False, True):
             consts = dict(QPG=qpg, HALF=half, BLOCK_H=block, QSLOTS=qpg, ROWS=rows, GROUPS=groups)
-            for fn, sig in ((R.rope_qkv_fwd_kernel, rf), (R.rope_qkv_bwd_kernel, rb)):
-                ptx = comp(fn, sig, consts, warps, div16).asm["ptx"]
+            for fn, sig, flags in ((R.rope_qkv_fwd_kernel, rf, {}), (R.rope_qkv_bwd_kernel, rb, dict(AMAX=False)),
+                                   (R.rope_qkv_bwd_kernel, rb, dict(AMAX=True))):
+                ptx = comp(fn, sig, dict(consts, **flags), warps, div16).asm["ptx"]
                 # aligned head dims, 8 halves per thread: every access 16 bytes (8 bf16) at a time, all 4 tables,
                 # q, k and v loaded (10) before q, k and v are stored (6)
                 if div16 and half == 64 and rows * block // (32 * warps) == 8:

@@ -45,6 +45,16 @@ def test_rope_fusion_flag():
     assert parse_args(TINY + ["--no-rope-fusion"]).precision.rope_fusion is False
 
 
+def test_rope_fusion_is_on_by_default_where_its_kernels_run(monkeypatch):
+    from megacoat.training import trainer as T
+    for kernels in (False, True):
+        monkeypatch.setattr(T, "triton_available", lambda: kernels)
+        tr = T.Trainer(parse_args(TINY + ["--fp32", "--num-workers", "0", "--train-iters", "1"]))
+        # CPU here: off either way (the kernels are CUDA's); on a GPU host: on with Triton
+        assert tr.model.layers[0].attention.lc.rope_fusion == (kernels and torch.cuda.is_available())
+        tr.close()
+
+
 def _losses(extra, precision=("--fp32",)):
     from megacoat.training.trainer import Trainer
     tr = Trainer(parse_args(TINY + [*precision, "--num-workers", "0", "--train-iters", "6", "--global-batch-size", "4",
@@ -59,7 +69,7 @@ def _losses(extra, precision=("--fp32",)):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_model_trains_the_same_with_fused_rope(compiled):
     flags = ["--torch-compile" if compiled else "--no-torch-compile"]
-    plain, fused = _losses(flags), _losses(flags + ["--rope-fusion"])
+    plain, fused = _losses(flags + ["--no-rope-fusion"]), _losses(flags + ["--rope-fusion"])
     assert len(set(plain)) == len(plain)  # the updates moved the model: equal losses mean equal gradients
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=1e-6, atol=1e-6)
 
@@ -69,8 +79,62 @@ def test_a_model_trains_the_same_with_fused_rope(compiled):
 def test_a_compiled_bf16_model_on_gpu_trains_the_same_with_fused_rope():
     """The kernels inside compiled layers (triton_ops launched by Inductor): the losses of the torch operations,
     up to bf16 rounding."""
-    plain, fused = _losses(["--torch-compile"], ("--bf16",)), _losses(["--torch-compile", "--rope-fusion"], ("--bf16",))
+    plain = _losses(["--torch-compile", "--no-rope-fusion"], ("--bf16",))
+    fused = _losses(["--torch-compile", "--rope-fusion"], ("--bf16",))
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=2e-3, atol=2e-3)
+
+
+def test_the_rope_backward_hands_the_fp8_qkv_linear_its_gradient_amax():
+    """The FP8 QKV linear's token through the fused RoPE: its backward returns max |dqkv| (of the values it
+    returns) as the token's gradient, and the linear casts dqkv with it instead of its own amax pass: the same
+    outputs and gradients as without the token (max is exact, so the E5M2 codes are the same)."""
+    from megacoat.precision.linear import Fp8WeightCache, fp8_linear
+    from megacoat.precision.recipe import Fp8Recipe
+    coat = Fp8Recipe("e4m3", "e5m2", True)
+    s, b, g, qpg, d, k = 6, 2, 2, 2, 8, 24
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(s, b, k, generator=gen).to(torch.bfloat16)
+    w0 = (0.2 * torch.randn(g * (qpg + 2) * d, k, generator=gen)).to(torch.bfloat16)
+    cos, sin = RotaryEmbedding(d, 16, 10000.0)(torch.randint(0, 16, (b, s), generator=gen), torch.bfloat16)
+    grads = [torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in
+             ((s, b, g * qpg, d), (s, b, g, d), (s, b, g, d))]
+    runs = []
+    for with_token in (False, True):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        out = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), coat, grad_amax_token=with_token)
+        qkv, token = out if with_token else (out, None)
+        q, kk, v = rope_qkv(qkv.view(s, b, g, qpg + 2, d), cos, sin, grad_amax_token=token)
+        if with_token:  # the token's gradient is max |dqkv| of the gradient the linear casts
+            dqkv, amax = torch.autograd.grad((q, kk, v), (qkv, token), grads, retain_graph=True)
+            assert amax.shape == () and amax == dqkv.abs().amax().float() and amax > 0
+        torch.autograd.backward((q, kk, v), grads)
+        runs.append((q.detach(), kk.detach(), v.detach(), x.grad, w.grad))
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+def _coat_losses(extra, drop_qkv_token=False, monkeypatch=None):
+    if drop_qkv_token:  # the QKV linear makes its own amax pass
+        from megacoat.parallel.layers import ColumnParallelLinear
+        plain = ColumnParallelLinear.forward
+
+        def no_token(self, x, *a, grad_amax_token=False, **kw):
+            y = plain(self, x, *a, **kw)
+            return (y, None) if grad_amax_token else y
+        monkeypatch.setattr(ColumnParallelLinear, "forward", no_token)
+    return _losses(extra + ["--fp8-format", "hybrid", "--fp8-recipe", "coat"], ("--bf16",))
+
+
+def test_a_coat_model_trains_the_same_with_the_qkv_token(monkeypatch):
+    """Eager: with the token (the fused RoPE hands the QKV linear max |dqkv|) exactly the losses of the linear's
+    own amax pass. Compiled: those losses too, up to compiled rounding (a token whose gradient arrived as zeros
+    would saturate every QKV gradient and show as far larger differences)."""
+    token = _coat_losses(["--no-torch-compile", "--rope-fusion"])
+    compiled = _coat_losses(["--torch-compile", "--rope-fusion"])
+    no_token = _coat_losses(["--no-torch-compile", "--rope-fusion"], drop_qkv_token=True, monkeypatch=monkeypatch)
+    assert len(set(token)) == len(token)
+    assert token == no_token
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(token), rtol=1e-2, atol=1e-2)
 
 
 def test_rope_kernels_under_the_interpreter():
@@ -98,4 +162,6 @@ def test_rope_kernels_on_gpu(s, b, g, qpg, d):
     dq = torch.randn(b, g * qpg, s, d, generator=gen, device="cuda").to(torch.bfloat16).permute(2, 0, 1, 3)
     dk = torch.randn(b, g, s, d, generator=gen, device="cuda").to(torch.bfloat16).permute(2, 0, 1, 3)
     dv = torch.randn(b, g, s, d, generator=gen, device="cuda").to(torch.bfloat16).permute(2, 0, 1, 3)
-    close(K.rope_qkv_backward(dq, dk, dv, cos, sin), rope_qkv_backward_reference(dq, dk, dv, cos, sin))
+    got, amax = K.rope_qkv_backward(dq, dk, dv, cos, sin, True)
+    close(got, rope_qkv_backward_reference(dq, dk, dv, cos, sin)[0])
+    assert amax == got.abs().amax().float()

@@ -24,11 +24,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _launch(kernel, name: str, rows: int, g: int, *args, qpg: int, d: int):
+def _launch(kernel, name: str, rows: int, g: int, *args, qpg: int, d: int, **flags):
     r, groups, warps = TILES[name]
     kernel[(triton_cdiv(rows, r), triton_cdiv(g, groups))](
         *args, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), QSLOTS=_pow2(qpg), ROWS=r, GROUPS=groups,
-        num_warps=warps)
+        num_warps=warps, **flags)
 
 
 def _table_strides(cos: torch.Tensor, sin: torch.Tensor):
@@ -53,17 +53,21 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return q, k, v
 
 
-def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """dq [s, b, heads, d], dk and dv [s, b, groups, d] (any strides, contiguous last dim) -> the gradient of the
-    QKV output [s, b, groups, heads per group + 2, d]."""
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      with_amax: bool = False):
+    """dq [s, b, heads, d], dk and dv [s, b, groups, d] (any strides, contiguous last dim) -> (the gradient of the
+    QKV output [s, b, groups, heads per group + 2, d], its max |.| as an fp32 scalar if `with_amax` (else an empty
+    tensor))."""
     s, b, n, d = dq.shape
     g = dk.shape[2]
     qpg = n // g
     dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
     dqkv = dq.new_empty((s, b, g, qpg + 2, d))
+    amax = (torch.zeros((), dtype=torch.float32, device=dq.device) if with_amax
+            else dq.new_empty((0,), dtype=torch.float32))
     cs_s, cs_b = _table_strides(cos, sin)
     rows = s * b
-    _launch(_k().rope_qkv_bwd_kernel, "rope_bwd", rows, g, dq, dk, dv, cos, sin, dqkv, rows, b, g, cs_s, cs_b,
+    _launch(_k().rope_qkv_bwd_kernel, "rope_bwd", rows, g, dq, dk, dv, cos, sin, dqkv, amax, rows, b, g, cs_s, cs_b,
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), qpg=qpg, d=d)
-    return dqkv
+            dv.stride(0), dv.stride(1), dv.stride(2), qpg=qpg, d=d, AMAX=with_amax)
+    return dqkv, amax

@@ -1,7 +1,7 @@
 """Rotary position embeddings (the rotate-half layout used by Megatron and HF Llama)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -53,10 +53,10 @@ def rope_qkv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 
 def rope_qkv_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of the QKV output [s, b, groups, heads per group + 2, d] from dq [s, b, heads, d], dk and dv
+                                sin: torch.Tensor, with_amax: bool = False):
+    """(The gradient of the QKV output [s, b, groups, heads per group + 2, d] from dq [s, b, heads, d], dk and dv
     [s, b, groups, d]: the rotation transposed (dx = dy cos + rotate_half^T(dy sin)), fp32 (or fp64), rounded
-    once."""
+    once; its max |.| as an fp32 scalar if `with_amax`, else an empty tensor)."""
     s, b, n, d = dq.shape
     g = dk.shape[2]
     acc = torch.promote_types(dq.dtype, torch.float32)
@@ -64,7 +64,9 @@ def rope_qkv_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Te
     w = dy * sin.to(acc).unsqueeze(3)
     w1, w2 = w.chunk(2, dim=-1)
     dx = dy * cos.to(acc).unsqueeze(3) + torch.cat([w2, -w1], dim=-1)
-    return torch.cat([dx.to(dq.dtype), dv.unsqueeze(3).to(dq.dtype)], dim=3)
+    dqkv = torch.cat([dx.to(dq.dtype), dv.unsqueeze(3).to(dq.dtype)], dim=3)
+    amax = dqkv.abs().amax().float() if with_amax else dqkv.new_empty((0,), dtype=torch.float32)
+    return dqkv, amax
 
 
 def _rope_kernel_ok(cos: torch.Tensor, sin: torch.Tensor, *tensors) -> bool:
@@ -83,11 +85,11 @@ def _rope_qkv_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return rope_qkv_reference(qkv, cos, sin)
 
 
-def _rope_qkv_backward_impl(dq, dk, dv, cos, sin):
+def _rope_qkv_backward_impl(dq, dk, dv, cos, sin, with_amax):
     if _rope_kernel_ok(cos, sin, dq, dk, dv):
         from ..kernels import rope as kernels
-        return kernels.rope_qkv_backward(dq, dk, dv, cos, sin)
-    return rope_qkv_backward_reference(dq, dk, dv, cos, sin)
+        return kernels.rope_qkv_backward(dq, dk, dv, cos, sin, with_amax)
+    return rope_qkv_backward_reference(dq, dk, dv, cos, sin, with_amax)
 
 
 @torch.library.triton_op("megacoat::rope_qkv", mutates_args=())
@@ -104,23 +106,24 @@ def _(qkv, cos, sin):
 
 @torch.library.triton_op("megacoat::rope_qkv_backward", mutates_args=())
 def _rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor) -> torch.Tensor:
-    return _rope_qkv_backward_impl(dq, dk, dv, cos, sin)
+                          sin: torch.Tensor, with_amax: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rope_qkv_backward_impl(dq, dk, dv, cos, sin, with_amax)
 
 
 @_rope_qkv_backward_op.register_fake
-def _(dq, dk, dv, cos, sin):
+def _(dq, dk, dv, cos, sin, with_amax):
     s, b, n, d = dq.shape
     g = dk.shape[2]
-    return dq.new_empty((s, b, g, n // g + 2, d))
+    return dq.new_empty((s, b, g, n // g + 2, d)), dq.new_empty(() if with_amax else (0,), dtype=torch.float32)
 
 
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin):
+    def forward(ctx, qkv, cos, sin, grad_amax_token):
         ctx.save_for_backward(cos, sin)
         out = (_rope_qkv_op if is_compiling() else _rope_qkv_impl)(qkv, cos, sin)
         ctx.out_meta = [(t.shape, t.dtype) for t in out]
+        ctx.has_token = grad_amax_token is not None
         return out
 
     @staticmethod
@@ -129,14 +132,18 @@ class _RopeQKV(torch.autograd.Function):
         # An output that did not reach the loss has no gradient: zeros of its shape.
         dq, dk, dv = (t if t is not None else torch.zeros(shape, dtype=dtype, device=cos.device)
                       for t, (shape, dtype) in zip((dq, dk, dv), ctx.out_meta))
-        return (_rope_qkv_backward_op if is_compiling() else _rope_qkv_backward_impl)(dq, dk, dv, cos, sin), None, None
+        dqkv, amax = (_rope_qkv_backward_op if is_compiling() else _rope_qkv_backward_impl)(
+            dq, dk, dv, cos, sin, ctx.has_token)
+        return dqkv, None, None, (amax if ctx.has_token else None)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_amax_token: Optional[torch.Tensor] = None):
     """The fused RoPE over the QKV output (--rope-fusion): qkv [s, b, groups, heads per group + 2, d], cos and sin
     [s, b, 1, d] -> (q [s, b, heads, d], k [s, b, groups, d]) rotated and v [s, b, groups, d], in one pass (one
-    Triton kernel on CUDA, one back); the same values as `apply_rotary` on each head, rounded once from fp32."""
+    Triton kernel on CUDA, one back); the same values as `apply_rotary` on each head, rounded once from fp32.
+    `grad_amax_token`: the token of the FP8 linear that produced qkv (`fp8_linear(..., grad_amax_token=True)`); the
+    backward returns max |dqkv| as its gradient, and the linear casts dqkv with it instead of an amax pass."""
     if qkv.dim() != 5 or qkv.shape[3] < 3 or qkv.shape[-1] % 2:
         raise ValueError(f"fused RoPE needs the QKV output as [s, b, groups, heads per group + 2, d] with an even d, "
                          f"got {tuple(qkv.shape)}")
-    return _RopeQKV.apply(qkv, cos, sin)
+    return _RopeQKV.apply(qkv, cos, sin, grad_amax_token)

@@ -117,19 +117,28 @@ class SelfAttention(nn.Module):
     def forward(self, x, rope, attention_mask, x_amax=None, grad_amax_token=False):
         """`grad_amax_token=True`: returns (output, the projection's token or None) (RowParallelLinear)."""
         s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
-        qkv = self.qkv(x, x_amax=x_amax).view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        recompute_core = self.recompute_core and self.training and torch.is_grad_enabled()
+        # The fused RoPE computes the whole QKV gradient: its backward hands the FP8 QKV linear that gradient's
+        # amax (no amax pass there). Not through the selective recompute (the token would have to cross it).
+        token = None
+        if rope is not None and self.lc.rope_fusion and not recompute_core and torch.is_grad_enabled():
+            qkv, token = self.qkv(x, x_amax=x_amax, grad_amax_token=True)
+        else:
+            qkv = self.qkv(x, x_amax=x_amax)
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        if recompute_core:
             # --recompute-granularity selective: keep only the QKV output for backward
             o = recompute(lambda t: self._core(t, rope, attention_mask), qkv, rng=self.lc.rng)
         else:
-            o = self._core(qkv, rope, attention_mask)
+            o = self._core(qkv, rope, attention_mask, token)
         return self.proj(o, grad_amax_token=grad_amax_token)
 
-    def _core(self, qkv, rope, attention_mask):
-        """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]."""
+    def _core(self, qkv, rope, attention_mask, qkv_token=None):
+        """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]. `qkv_token`: the
+        QKV linear's token (the fused RoPE returns max |dqkv| as its gradient)."""
         s, b = qkv.shape[0], qkv.shape[1]
         if rope is not None and self.lc.rope_fusion:  # q, k rotated and v copied in one pass
-            q, k, v = rope_qkv(qkv, *rope)
+            q, k, v = rope_qkv(qkv, *rope, grad_amax_token=qkv_token)
         else:
             q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
             k = qkv[:, :, :, self.q_per_group]

@@ -165,15 +165,23 @@ class ColumnParallelLinear(nn.Module):
     _set_linear_impl = _set_linear_impl
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                x_amax: Optional[torch.Tensor] = None, activation: Optional[str] = None):
+                x_amax: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+                grad_amax_token: bool = False):
         """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes).
         `activation`: an activation the implementation fuses into this layer (FP8 coat: "swiglu", which
-        returns (output, its amax)); only with the implementation and a rank-local output."""
+        returns (output, its amax)); only with the implementation and a rank-local output.
+        `grad_amax_token=True`: returns (y, token or None): the FP8 linear's token (see `fp8_linear`), whose
+        gradient is max |dy| of this rank's output; None without the layer's own FP8 implementation and weight or
+        with a gathered output. The output gradient stays on this rank (also under SP: only dx is reduced)."""
         if activation is not None and (self.linear_impl is None or weight is not None or self.gather_output):
             raise ValueError(f"{self.weight.global_name}: a fused activation needs the layer's own FP8 implementation and weight "
                              "and a rank-local output (gather_output=False)")
         if self.linear_impl is not None and weight is None:
-            return self._forward_impl(x, x_amax, activation)
+            with_token = grad_amax_token and activation is None and not self.gather_output
+            y = self._forward_impl(x, x_amax, activation, with_token)
+            if grad_amax_token:
+                return y if with_token else (y, None)
+            return y
         w = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -182,15 +190,15 @@ class ColumnParallelLinear(nn.Module):
         y = linear_with_grad_accumulation(x, w, self.bias, self.fuse_wgrad and weight is None)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
-        return y
+        return (y, None) if grad_amax_token else y
 
-    def _forward_impl(self, x, x_amax, activation=None):
+    def _forward_impl(self, x, x_amax, activation=None, grad_amax_token=False):
         tp = group_size(self.tp_group)
         if self.sequence_parallel and self.linear_impl.gathers_fp8(True):
             # The implementation gathers the (FP8) input itself, with one scale for the whole group.
             y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
                                  sp_group=self.tp_group if tp > 1 else None, fuse_wgrad=self.fuse_wgrad,
-                                 activation=activation)
+                                 activation=activation, grad_amax_token=grad_amax_token)
         else:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -198,7 +206,7 @@ class ColumnParallelLinear(nn.Module):
             else:
                 x = copy_to_tp_region(x, self.tp_group)
             y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
-                                 fuse_wgrad=self.fuse_wgrad, activation=activation)
+                                 fuse_wgrad=self.fuse_wgrad, activation=activation, grad_amax_token=grad_amax_token)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y

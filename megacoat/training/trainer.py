@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..checkpoint import Checkpointer, apply_checkpoint_args
 from ..config import MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
 from ..data import build_data_iterators, build_tokenizer, check_vocab_size
+from ..kernels import triton_available
 from ..model.flops import flops_per_token
 from ..model.gpt import padded_vocab_size
 from ..model.stages import build_model_chunks
@@ -161,11 +162,14 @@ class Trainer:
         compile_layers = cfg.train.torch_compile
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
+        rope_fusion = cfg.precision.rope_fusion  # default: where its kernels run
+        if rope_fusion is None:
+            rope_fusion = self.device.type == "cuda" and triton_available()
         lc = LayerContext(self.ctx.tp_group, cfg.parallel.sequence_parallel, self.rng, self.recipe.params_dtype,
                           self.device, cfg.train.seed,
                           gradient_accumulation_fusion=cfg.precision.gradient_accumulation_fusion,
                           cross_entropy_fusion=cfg.precision.cross_entropy_loss_fusion is not False,
-                          rope_fusion=cfg.precision.rope_fusion is True, fp8=self.recipe.fp8)
+                          rope_fusion=rope_fusion, fp8=self.recipe.fp8)
         # PP = 1: the GPTModel; PP > 1: this stage's model chunks (self.chunks) in one module.
         self.model, self.chunks = build_model_chunks(m, cfg.parallel, lc, self.ctx, self.tokenizer.vocab_size,
                                                      self.padded_vocab, compile_layers=compile_layers)

@@ -4,7 +4,8 @@ The QKV output is [rows = s * b, groups, heads per group + 2, d] (Megatron's per
 heads, then k, then v). Forward: one pass reads it and writes the rotated q [rows, heads, d], the rotated k and a
 copy of v [rows, groups, d] (three kernels before, each reading its part). Backward: one pass reads dq, dk, dv (any
 strides with a contiguous last dim: they come from the attention backward) and writes the QKV output's gradient,
-rotated back. Rotate-half layout on the halves of d: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; fp32 math, one
+rotated back, and (AMAX) its max |.| into a zeroed fp32 scalar: the FP8 QKV linear casts that gradient with
+it instead of an amax pass of its own. Rotate-half layout on the halves of d: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; fp32 math, one
 rounding. The cos/sin tables are [s, b, d] with any strides (d contiguous).
 
 A program takes ROWS rows and GROUPS groups, one group at a time; the tables are loaded once per program. Per
@@ -15,6 +16,8 @@ HBM). The three parts keep separate pointers: one pointer chosen per slot with t
 """
 import triton
 import triton.language as tl
+
+from .fp8_quant import atomic_max_amax
 
 
 @triton.jit
@@ -88,16 +91,18 @@ def rope_qkv_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, B, G,
 
 
 @triton.jit
-def rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, B, G, cs_s, cs_b,
+def rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, amax_ptr, R, B, G, cs_s, cs_b,
                         dq_s, dq_b, dq_h, dk_s, dk_b, dk_h, dv_s, dv_b, dv_h, QPG: tl.constexpr,
                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, QSLOTS: tl.constexpr, ROWS: tl.constexpr,
-                        GROUPS: tl.constexpr):
-    """dq [s, b, G * QPG, D], dk and dv [s, b, G, D] (by their strides) -> dqkv [R, G, QPG + 2, D], R = s * b."""
+                        GROUPS: tl.constexpr, AMAX: tl.constexpr):
+    """dq [s, b, G * QPG, D], dk and dv [s, b, G, D] (by their strides) -> dqkv [R, G, QPG + 2, D], R = s * b;
+    AMAX: amax_ptr = max(it, max |dqkv|) (of the rounded values, as the cast will see them)."""
     r, j, h = _tile(R, ROWS, HALF, BLOCK_H, QSLOTS)
     D: tl.constexpr = 2 * HALF
     c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, r, B, cs_s, cs_b, h, R, HALF)
     s_idx = r // B
     b_idx = r % B
+    acc = tl.zeros((), tl.float32)
     for i in tl.range(0, GROUPS):
         g = tl.program_id(1) * GROUPS + i
         kmask = (r < R) & (r * 0 + g < G) & (h < HALF)  # g < G as a tensor (see the forward)
@@ -105,8 +110,8 @@ def rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, B
         dyq1, dyq2 = _load_halves(dq_ptr + s_idx * dq_s + b_idx * dq_b + (g * QPG + j) * dq_h + h, qmask, HALF)
         dyk1, dyk2 = _load_halves(dk_ptr + s_idx * dk_s + b_idx * dk_b + g * dk_h + h, kmask, HALF)
         v = dv_ptr + s_idx * dv_s + b_idx * dv_b + g * dv_h + h
-        v1 = tl.load(v, mask=kmask)
-        v2 = tl.load(v + HALF, mask=kmask)
+        v1 = tl.load(v, mask=kmask, other=0.0)
+        v2 = tl.load(v + HALF, mask=kmask, other=0.0)
         dxq1, dxq2 = _rotate_back(dyq1, dyq2, c1, c2, s1, s2)
         dxk1, dxk2 = _rotate_back(dyk1, dyk2, c1, c2, s1, s2)
         dst = dqkv_ptr + (r * G + g) * ((QPG + 2) * D) + h
@@ -114,3 +119,11 @@ def rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, B
         _store_halves(dst + QPG * D, dxk1, dxk2, kmask, HALF)
         tl.store(dst + (QPG + 1) * D, v1, mask=kmask)
         tl.store(dst + (QPG + 1) * D + HALF, v2, mask=kmask)
+        if AMAX:  # masked lanes hold zeros
+            t = dqkv_ptr.dtype.element_ty
+            mq = tl.maximum(tl.abs(dxq1.to(t).to(tl.float32)), tl.abs(dxq2.to(t).to(tl.float32)))
+            mk = tl.maximum(tl.abs(dxk1.to(t).to(tl.float32)), tl.abs(dxk2.to(t).to(tl.float32)))
+            mv = tl.maximum(tl.abs(v1.to(tl.float32)), tl.abs(v2.to(tl.float32)))
+            acc = tl.maximum(acc, tl.maximum(tl.max(mq), tl.max(tl.maximum(mk, mv))))
+    if AMAX:
+        atomic_max_amax(amax_ptr, acc)
