@@ -172,9 +172,9 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
-  # the fused RoPE kernels (--rope-fusion; only when named): bf16 and coat, to compare with bf16 and coat above
-  c1 bf16_rope && mc c1_bf16_rope${C1_TAG:-} ${C1_ITERS:-20} $M1 --rope-fusion
-  c1 coat_rope && mc c1_coat_rope${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --rope-fusion
+  # without the fused RoPE kernels (--no-rope-fusion; on by default on CUDA since 2026-12-02; only when named)
+  c1 bf16_norope && mc c1_bf16_norope${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-rope-fusion
+  c1 coat_norope && mc c1_coat_norope${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-rope-fusion
   # Inductor's combo kernels (independent small kernels of a graph launched as one; only when named)
   c1 coat_combo && MC_LAUNCH="benchmarks/run_with_inductor_config.py combo_kernels=True -- " mc c1_coat_combo${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
   c1 coat_heuristic && mc c1_coat_heuristic${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-gemm-candidates 1
