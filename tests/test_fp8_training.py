@@ -88,6 +88,8 @@ def test_cli_coat_tp2_sp_and_pp2_zero_track_tp1(tmp_path):
     for name, nproc, extra in (
             ("tp1", 1, []),
             ("tp2sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            # the fused RoPE's reference (CPU), handed each rank's QKV token under SP
+            ("tp2sp_rope", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--rope-fusion"]),
             ("pp2zero", 2, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                             "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]),
             ("pp2interleaved", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
@@ -105,8 +107,9 @@ def test_cli_coat_tp2_sp_and_pp2_zero_track_tp1(tmp_path):
     for pp_run in ("pp2zero", "pp2interleaved"):
         for a, b in zip(runs["tp1"], runs[pp_run]):
             assert abs(a - b) <= 1e-3 * abs(a), runs
-    for a, b in zip(runs["tp1"], runs["tp2sp"]):
-        assert abs(a - b) <= 0.02, runs
+    for tp_run in ("tp2sp", "tp2sp_rope"):
+        for a, b in zip(runs["tp1"], runs[tp_run]):
+            assert abs(a - b) <= 0.02, runs
 
 
 @pytest.mark.slow
