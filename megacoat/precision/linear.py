@@ -342,7 +342,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     `activation="swiglu"` (coat): returns (silu(gate) * up of y = [gate; up], its amax) through the fused
     FP8 SwiGLU, whose backward gives this linear its output gradient's amax.
     `grad_amax_token=True`: returns (y, token). Hand the token to the one consumer of y that computes y's whole
-    gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`): its backward returns max |dy| as the token's
+    gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`, or the fused RoPE over a QKV output,
+    `rope_qkv(qkv, cos, sin, grad_amax_token=token)`): its backward returns max |dy| as the token's
     gradient, and this linear's backward casts dy with it instead of an amax pass of its own. Every token must
     reach such a consumer: in eager code a dropped token's gradient is None and the linear makes its own pass,
     but inside torch.compile'd code it arrives as zeros (AOTAutograd materializes it), an amax of 0 that would
