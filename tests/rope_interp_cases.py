@@ -28,7 +28,8 @@ def _close(a, b, dtype):
 
 @pytest.mark.parametrize("tile", [(16, 1, 4), (8, 2, 4)])  # (rows, groups, warps): rows and groups masked at edges
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("s,b,g,qpg,d", [(5, 3, 2, 1, 8), (17, 2, 3, 2, 6), (33, 1, 1, 4, 20)])
+@pytest.mark.parametrize("s,b,g,qpg,d", [(5, 3, 2, 1, 8), (17, 2, 3, 2, 6), (33, 1, 1, 4, 20), (7, 3, 3, 3, 10),
+                                         (9, 2, 2, 16, 8)])
 def test_rope_qkv_kernels(s, b, g, qpg, d, dtype, tile, monkeypatch):
     monkeypatch.setitem(K.TILES, "rope_fwd", tile)
     monkeypatch.setitem(K.TILES, "rope_bwd", tile)

@@ -36,13 +36,13 @@ GPT2 = dict(normalization="LayerNorm", activation="gelu", position_embedding_typ
             add_bias_linear=True)
 
 
-def _small_gpt(dtype, fp8, num_layers=2, **arch):
+def _small_gpt(dtype, fp8, num_layers=2, rope_fusion=False, **arch):
     """The small CPU GPT of these tests (seed 5)."""
     m = small_model_config(hidden_size=64, num_attention_heads=4, seq_length=32, num_layers=num_layers,
                            ffn_hidden_size=176, **arch)
     rng = seed_everything(5, 0, torch.device("cpu"))
-    return GPTModel(m, LayerContext(None, False, rng, dtype, torch.device("cpu"), 5, fp8=fp8), VOCAB,
-                    padded_vocab_size(VOCAB, 8, 1))
+    lc = LayerContext(None, False, rng, dtype, torch.device("cpu"), 5, fp8=fp8, rope_fusion=rope_fusion)
+    return GPTModel(m, lc, VOCAB, padded_vocab_size(VOCAB, 8, 1))
 
 
 def _train(dtype, fp8, **arch):
@@ -174,9 +174,9 @@ def _compiled_layer_equals_eager(rank, world, tp, sp):
             assert torch.equal(a, b), recipe.name
 
 
-def _coat_model(defer: bool, dtype=torch.bfloat16, fp8=Fp8Recipe(), recompute=None, **arch):
+def _coat_model(defer: bool, dtype=torch.bfloat16, fp8=Fp8Recipe(), recompute=None, rope_fusion=False, **arch):
     from megacoat.model.recompute import RecomputePlan
-    model = _small_gpt(dtype, fp8, num_layers=3, **arch)
+    model = _small_gpt(dtype, fp8, num_layers=3, rope_fusion=rope_fusion, **arch)
     if not defer:
         for layer in model.layers:
             layer.defer_residual = False
@@ -218,17 +218,19 @@ def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
         assert torch.equal(loss_r, loss_d) and all(torch.equal(g_r[n], g_d[n]) for n in g_d), recompute
 
 
-@pytest.mark.parametrize("recompute", [("uniform", 1), ("block", 2)])
-def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute):
+@pytest.mark.parametrize("recompute,rope_fusion", [(("uniform", 1), False), (("block", 2), False), (None, True),
+                                                    (("uniform", 1), True)])
+def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute, rope_fusion):
     """Compiled layers (aot_eager: the same kernels as eager, so bit-identical) under full recomputation with
     several groups per chunk: the deferred (stream, branch, token) crosses each recomputed group's checkpoint
     and fc2's token must still get its gradient. A dropped token's gradient arrives as zeros in compiled code
     (AOTAutograd materializes it): amax 0 saturated fc2's whole gradient (fc1, fc2 and the second norm's weight
     gradients ~0 in every such layer, in a first version that added the residual before each recomputed group:
-    the review's repro, 2026-12-02)."""
+    the review's repro, 2026-12-02). With the fused RoPE, the QKV linear's token goes through it the same way."""
     grads = []
     for compiled in (False, True):
-        model = _coat_model(True, recompute=recompute)
+        model = _coat_model(True, recompute=recompute, rope_fusion=rope_fusion)
+        assert model.layers[0].attention.lc.rope_fusion == rope_fusion
         if compiled:
             for layer in model.layers:
                 layer.compile(backend="aot_eager", fullgraph=True)

@@ -185,6 +185,8 @@ rf = dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, k_ptr=bf, v_ptr=bf, R=i3
 rb = dict(dq_ptr=bf, dk_ptr=bf, dv_ptr=bf, cos_ptr=bf, sin_ptr=bf, dqkv_ptr=bf, amax_ptr=f32, R=i32, B=i32, G=i32,
           cs_s=i32, cs_b=i32, dq_s=i32, dq_b=i32, dq_h=i32, dk_s=i32, dk_b=i32, dk_h=i32, dv_s=i32, dv_b=i32, dv_h=i32)
 from megacoat.kernels.rope import TILES as RT  # noqa: E402
+# the default tiles are the ones the 16-byte check below covers (8 halves per thread at d = 128)
+assert all(r * 64 // (32 * w) == 8 for r, _, w in (RT["rope_fwd"], RT["rope_bwd"])), RT
 for qpg, half, block in ((1, 64, 64), (4, 36, 64)):
     for rows, groups, warps in {RT["rope_fwd"], RT["rope_bwd"], (8, 4, 4)}:
         for div16 in (False, True):

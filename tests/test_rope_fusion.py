@@ -16,7 +16,7 @@ def _unfused(qkv, cos, sin):
     return q, apply_rotary(qkv[:, :, :, slots - 2], cos, sin), qkv[:, :, :, slots - 1]
 
 
-@pytest.mark.parametrize("s,b,g,qpg,d", [(5, 3, 2, 1, 8), (7, 2, 3, 2, 6), (4, 1, 1, 4, 10)])
+@pytest.mark.parametrize("s,b,g,qpg,d", [(5, 3, 2, 1, 8), (7, 2, 3, 2, 6), (4, 1, 1, 4, 10), (6, 2, 2, 3, 4)])
 def test_fused_rope_equals_the_torch_operations_in_float64(s, b, g, qpg, d):
     gen = torch.Generator().manual_seed(s + d)
     qkv = torch.randn(s, b, g, qpg + 2, d, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -146,7 +146,8 @@ def test_rope_kernels_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("s,b,g,qpg,d", [(2048, 4, 16, 1, 128), (37, 3, 4, 2, 64), (5, 2, 2, 4, 72)])
+@pytest.mark.parametrize("s,b,g,qpg,d", [(2048, 4, 16, 1, 128), (37, 3, 4, 2, 64), (5, 2, 2, 4, 72),
+                                         (33, 2, 2, 5, 128), (64, 2, 1, 32, 128)])
 def test_rope_kernels_on_gpu(s, b, g, qpg, d):
     from megacoat.kernels import rope as K
     from megacoat.model.rope import rope_qkv_backward_reference, rope_qkv_reference

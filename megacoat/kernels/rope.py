@@ -24,10 +24,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+MAX_QUERY_TILE_ROWS = 64  # rows x query slots a program holds at once (its fp32 q tile, both halves, in registers)
+
+
 def _launch(kernel, name: str, rows: int, g: int, *args, qpg: int, d: int, **flags):
     r, groups, warps = TILES[name]
+    qslots = _pow2(qpg)
+    # Many query heads per group (GQA 8+, MQA): fewer rows per program, so the q tile stays in registers (the
+    # tiles were measured at 1 and 4 heads per group; the bound keeps those: 16 x 4 = 64).
+    r = max(1, min(r, MAX_QUERY_TILE_ROWS // qslots))
     kernel[(triton_cdiv(rows, r), triton_cdiv(g, groups))](
-        *args, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), QSLOTS=_pow2(qpg), ROWS=r, GROUPS=groups,
+        *args, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), QSLOTS=qslots, ROWS=r, GROUPS=groups,
         num_warps=warps, **flags)
 
 

@@ -173,11 +173,14 @@ class ColumnParallelLinear(nn.Module):
         `grad_amax_token=True`: returns (y, token or None): the FP8 linear's token (see `fp8_linear`), whose
         gradient is max |dy| of this rank's output; None without the layer's own FP8 implementation and weight or
         with a gathered output. The output gradient stays on this rank (also under SP: only dx is reduced)."""
+        if activation is not None and grad_amax_token:
+            raise ValueError(f"{self.weight.global_name}: grad_amax_token is for a plain output; a fused activation "
+                             "returns its own amax")
         if activation is not None and (self.linear_impl is None or weight is not None or self.gather_output):
             raise ValueError(f"{self.weight.global_name}: a fused activation needs the layer's own FP8 implementation and weight "
                              "and a rank-local output (gather_output=False)")
         if self.linear_impl is not None and weight is None:
-            with_token = grad_amax_token and activation is None and not self.gather_output
+            with_token = grad_amax_token and not self.gather_output
             y = self._forward_impl(x, x_amax, activation, with_token)
             if grad_amax_token:
                 return y if with_token else (y, None)
