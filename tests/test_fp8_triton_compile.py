@@ -199,6 +199,11 @@ for qpg, half, block in ((1, 64, 64), (4, 36, 64)):
                 if div16 and half == 64 and rows * block // (32 * warps) == 8:
                     assert not re.search(r"(ld|st)\.global\.(b16|v2\.b16|b32)\b", ptx), f"{fn.__name__}: narrow"
                     assert count(ptx, "ld.global.v4.b32") == 10 and count(ptx, "st.global.v4.b32") == 6, fn.__name__
+# many heads per group (MQA-like): the launcher's fewer rows per program
+from megacoat.kernels.rope import MAX_QUERY_TILE_ROWS  # noqa: E402
+mqa = dict(QPG=32, HALF=64, BLOCK_H=64, QSLOTS=32, ROWS=MAX_QUERY_TILE_ROWS // 32, GROUPS=1)
+comp(R.rope_qkv_fwd_kernel, rf, mqa, 4, True)
+comp(R.rope_qkv_bwd_kernel, rb, dict(mqa, AMAX=True), 4, True)
 print("compiled all")
 '''
 
