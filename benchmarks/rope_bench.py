@@ -22,8 +22,10 @@ from megacoat.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
 from bench_timing import HBM_GBPS, timed  # noqa: E402
 
-# (name, s, b, groups, heads per group, d): the 1.36B layer, the 7B layer at micro-batch 2, a GQA layer
-SHAPES = [("1.36B", 2048, 4, 16, 1, 128), ("7B", 2048, 2, 32, 1, 128), ("gqa 32/8", 2048, 2, 8, 4, 128)]
+# (name, s, b, groups, heads per group, d): the 1.36B layer, the 7B layer at micro-batch 2, GQA layers (4 and 8 query
+# heads per group), an MQA layer (32 query heads, one group: the launcher's fewer rows per program)
+SHAPES = [("1.36B", 2048, 4, 16, 1, 128), ("7B", 2048, 2, 32, 1, 128), ("gqa 32/8", 2048, 2, 8, 4, 128),
+          ("gqa 64/8", 2048, 2, 8, 8, 128), ("mqa 32/1", 2048, 2, 1, 32, 128)]
 
 
 def unfused(qkv, cos, sin):
