@@ -23,3 +23,23 @@ def timed(fn, iters: int, warmup: int = 3, reps: int = 1) -> float:
         times.append(a.elapsed_time(b) / reps)
     times.sort()
     return times[len(times) // 2]
+
+
+def sweep_tiles(tiles: dict, kernels: dict, grid, iters: int, reps: int = 1) -> dict:
+    """Each kernels[name] (a callable) timed under every tile of `grid` and the current tiles[name] (a launcher's
+    TILES table, set in place; restored after). -> {name: {"us": {"AxBxC": us}, "fastest": tile, "current": tile}}."""
+    out, saved = {}, dict(tiles)
+    try:
+        for name, fn in kernels.items():
+            us = {}
+            for tile in sorted(set(grid) | {tuple(saved[name])}):
+                tiles[name] = tile
+                us["x".join(map(str, tile))] = round(timed(fn, iters, reps=reps) * 1e3, 1)
+            tiles[name] = saved[name]
+            best = min(us, key=us.get)
+            current = "x".join(map(str, saved[name]))
+            out[name] = dict(us=us, fastest=best, current=current)
+            print(f"  {name}: fastest {best} {us[best]} us; current {current} {us[current]} us", flush=True)
+    finally:
+        tiles.update(saved)
+    return out

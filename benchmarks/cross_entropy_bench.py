@@ -23,7 +23,7 @@ from megacoat.kernels import cross_entropy as K  # noqa: E402
 from megacoat.parallel import cross_entropy as CE  # noqa: E402
 from megacoat.parallel.context import ParallelContext  # noqa: E402
 
-from bench_timing import HBM_GBPS, timed  # noqa: E402
+from bench_timing import HBM_GBPS, sweep_tiles, timed  # noqa: E402
 
 
 def fwd_bwd(path: str, logits: torch.Tensor, target: torch.Tensor, group):
@@ -90,30 +90,11 @@ def main() -> None:
         res[name] = {"ms": ms, "bytes": nbytes, "frac_of_hbm": nbytes / ms / 1e6 / HBM_GBPS}
         print(f"{name:20s} {ms * 1e3:8.1f} us  {100 * res[name]['frac_of_hbm']:.0f}% of HBM", flush=True)
     if args.tiles:
-        res["tiles"] = sweep_tiles(x, tgt, lse, gl, v, args.iters)
+        grid = [(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+        res["tiles"] = sweep_tiles(K.TILES, {"row_stats": lambda: K.row_stats(x, tgt, v),
+                                             "softmax_grad": lambda: K.softmax_grad(x, lse, tgt, v, gl)},
+                                   grid, args.iters)
     json.dump(res, open(args.out, "w"), indent=1)
-
-
-def sweep_tiles(x, tgt, lse, gl, v, iters: int) -> dict:
-    """Each kernel under every (BLOCK, num_warps) of the grid below; the launchers' TILES restored after."""
-    out, saved = {}, dict(K.TILES)
-    try:
-        for name, fn in (("row_stats", lambda: K.row_stats(x, tgt, v)),
-                         ("softmax_grad", lambda: K.softmax_grad(x, lse, tgt, v, gl))):
-            rows = {}
-            grid = {(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)} | {saved[name]}
-            for block, warps in sorted(grid):
-                K.TILES[name] = (block, warps)
-                rows[f"{block}x{warps}"] = timed(fn, iters)
-            K.TILES[name] = saved[name]
-            best = min(rows, key=rows.get)
-            out[name] = {"us": {k: round(t * 1e3, 1) for k, t in rows.items()}, "fastest": best,
-                         "current": "{}x{}".format(*saved[name])}
-            print(f"{name}: fastest {best} {rows[best] * 1e3:.1f} us; current {out[name]['current']} "
-                  f"{rows[out[name]['current']] * 1e3:.1f} us", flush=True)
-    finally:
-        K.TILES.update(saved)
-    return out
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from megacoat.kernels import rope as K  # noqa: E402
 from megacoat.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
-from bench_timing import HBM_GBPS, timed  # noqa: E402
+from bench_timing import HBM_GBPS, sweep_tiles, timed  # noqa: E402
 
 # (name, s, b, groups, heads per group, d): the 1.36B layer, the 7B layer at micro-batch 2, GQA layers (4 and 8 query
 # heads per group), an MQA layer (32 query heads, one group: the launcher's fewer rows per program)
@@ -46,26 +46,6 @@ def close(a, b) -> bool:
 
 REPS = 10  # launches per timed sample: a single ~50 us kernel on an idle GPU times its host launch too
 SWEEP = [(r, g, w) for r in (8, 16, 32, 64) for g in (1, 2, 4) for w in (4, 8) if r * 64 // (32 * w) >= 4]
-
-
-def sweep_tiles(qkv, cos, sin, dq, dk, dv, iters: int) -> dict:
-    """Both kernels under every tile of SWEEP; the launchers' TILES restored after. Microseconds by tile."""
-    out, saved = {}, dict(K.TILES)
-    try:
-        for name, fn in (("rope_fwd", lambda: K.rope_qkv(qkv, cos, sin)),
-                         ("rope_bwd", lambda: K.rope_qkv_backward(dq, dk, dv, cos, sin, True))):
-            us = {}
-            for tile in sorted(set(SWEEP) | {saved[name]}):
-                K.TILES[name] = tile
-                us["x".join(map(str, tile))] = round(timed(fn, iters, reps=REPS) * 1e3, 1)
-            K.TILES[name] = saved[name]
-            best = min(us, key=us.get)
-            current = "x".join(map(str, saved[name]))
-            out[name] = dict(us=us, fastest=best, current=current)
-            print(f"  {name}: fastest {best} {us[best]} us; current {current} {us[current]} us", flush=True)
-    finally:
-        K.TILES.update(saved)
-    return out
 
 
 def run_shape(name, s, b, g, qpg, d, iters: int, sweep: bool = False) -> dict:
@@ -102,7 +82,9 @@ def run_shape(name, s, b, g, qpg, d, iters: int, sweep: bool = False) -> dict:
              fused_bwd_pct_of_hbm=round(100 * nbytes / (t["fused_bwd"] * 1e-3) / 1e9 / HBM_GBPS, 1))
     print(json.dumps(r), flush=True)
     if sweep:
-        r["sweep"] = sweep_tiles(qkv, cos, sin, dq, dk, dv, iters)
+        r["sweep"] = sweep_tiles(K.TILES, {"rope_fwd": lambda: K.rope_qkv(qkv, cos, sin),
+                                           "rope_bwd": lambda: K.rope_qkv_backward(dq, dk, dv, cos, sin, True)},
+                                 SWEEP, iters, reps=REPS)
     return r
 
 

@@ -204,6 +204,11 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (>= 1): a tl.arange length covering n."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def group_grid(m: int, g: int, bm: int, bg: int):
     """The 1-D grid of the 1x16 tile kernels (`group_tile`: group blocks fastest)."""
     return (triton_cdiv(m, bm) * triton_cdiv(g, bg),)

@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from . import TraceableKernels
-from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, triton_cdiv
+from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, pow2_at_least, triton_cdiv
 
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
@@ -39,10 +39,6 @@ def _k():
     return TraceableKernels(fp8_act)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _sm_count(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -52,7 +48,7 @@ def _sm_count(device) -> int:
 def _norm_tile(k: int, elems: int, warps: int = 0):
     """(rows per tile, 16-groups per row (a power of 2), num_warps) for rows of k elements and tiles of
     about `elems` elements (several narrow rows per tile); warps 0: by the row width."""
-    bg = _pow2(triton_cdiv(k, 16))
+    bg = pow2_at_least(triton_cdiv(k, 16))
     br = max(1, min(16, elems // (bg * 16)))
     if not warps:
         warps = 4 if bg * 16 <= 2048 else (8 if bg * 16 <= 8192 else 16)

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from . import TraceableKernels
-from .fp8 import triton_cdiv
+from .fp8 import pow2_at_least, triton_cdiv
 
 # (rows, groups per program, warps); rows x groups x (heads per group + 2) x d elements per program
 # (benchmarks/rope_bench.py --sweep times the choices)
@@ -20,21 +20,17 @@ def _k():
     return TraceableKernels(rope)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 MAX_QUERY_TILE_ROWS = 64  # rows x query slots a program holds at once (its fp32 q tile, both halves, in registers)
 
 
 def _launch(kernel, name: str, rows: int, g: int, *args, qpg: int, d: int, **flags):
     r, groups, warps = TILES[name]
-    qslots = _pow2(qpg)
+    qslots = pow2_at_least(qpg)
     # Many query heads per group (GQA 8+, MQA): fewer rows per program, so the q tile stays in registers (the
     # tiles were measured at 1 and 4 heads per group; the bound keeps those: 16 x 4 = 64).
     r = max(1, min(r, MAX_QUERY_TILE_ROWS // qslots))
     kernel[(triton_cdiv(rows, r), triton_cdiv(g, groups))](
-        *args, QPG=qpg, HALF=d // 2, BLOCK_H=_pow2(d // 2), QSLOTS=qslots, ROWS=r, GROUPS=groups,
+        *args, QPG=qpg, HALF=d // 2, BLOCK_H=pow2_at_least(d // 2), QSLOTS=qslots, ROWS=r, GROUPS=groups,
         num_warps=warps, **flags)
 
 
