@@ -100,13 +100,24 @@ def _check_token_ids(dataset, vocab_size: int, what: str, probes: int = 4) -> No
                 "another tokenizer: pass the --tokenizer-type/--tokenizer-model used by tools/preprocess_data.py")
 
 
-def _loader(dataset, sampler, num_workers: int):
+def ignore_sigterm(worker_id: int) -> None:
+    """DataLoader worker init under --exit-signal-handler: SLURM and torchrun signal every process
+    of the task's process group, and torch's worker handler dies of a SIGTERM that its parent did
+    not send, which fails the trainer's next batch before it can save. Ignored here, the worker
+    lives until the trainer shuts the loader down (or exits: workers watch their parent)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _loader(dataset, sampler, num_workers: int, survive_sigterm: bool):
     import torch
 
     from megacoat.data.batch import stack_samples
 
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=stack_samples,
                                        num_workers=num_workers, persistent_workers=num_workers > 0, pin_memory=False,
+                                       worker_init_fn=ignore_sigterm if survive_sigterm and num_workers else None,
                                        # its own generator: starting a loader must not draw from the global RNG
                                        # (dropout's stream), or a resumed run would diverge from an uninterrupted one
                                        generator=torch.Generator())
@@ -141,5 +152,6 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
         _check_token_ids(ds, tokenizer.vocab_size, name)
         start = {"train": consumed_samples, "valid": consumed_valid_samples}.get(name, 0)
         sampler = GlobalOrderBatchSampler(len(ds), start, mbs, gbs, dp_rank, dp_size, cyclic=name != "train")
-        iters.append(_micro_batches(_loader(ds, sampler, cfg.data.num_workers), collate))
+        loader = _loader(ds, sampler, cfg.data.num_workers, cfg.train.exit_signal_handler)
+        iters.append(_micro_batches(loader, collate))
     return DataIterators(*iters, train_dataset=train_ds, valid_dataset=valid_ds, test_dataset=test_ds)

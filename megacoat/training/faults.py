@@ -48,8 +48,8 @@ class ExitSignalHandler:
     next iteration boundary and exit 0. `requested()` is collective (a MAX all-reduce per step):
     SLURM may signal ranks at slightly different times, and every rank must stop at the same step.
 
-    Installed before the DataLoader workers are forked, so they inherit it and survive the signal
-    that SLURM sends to every process of the job step (the main process shuts them down)."""
+    SLURM and torchrun signal the whole process group: the DataLoader workers ignore SIGTERM under
+    this flag (data.ignore_sigterm), so they live until the main process shuts them down."""
 
     def __init__(self, device: torch.device, signum: int = signal.SIGTERM, timeout_minutes: Optional[float] = None):
         self.device, self.signum = device, signum

@@ -198,7 +198,6 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
         self.checkpointer.load(self)
         self.skip_guard = SkipGuard(cfg.train.max_skipped_iterations, self.device)
-        # Before the data iterators fork their workers: they inherit the handler (see ExitSignalHandler).
         self.exit_signal = ExitSignalHandler(self.device, timeout_minutes=cfg.parallel.distributed_timeout_minutes) \
             if cfg.train.exit_signal_handler else None
 
