@@ -1,6 +1,7 @@
 """COAT FP8 optimizer states (megacoat.optim.fp8_adam): the reference against COAT's own kernel
-outputs (tests/data, see /work/shared/golden/README.md), edge-case groups against a float64
-computation of DESIGN 5.4, the flat codec (chunks, bf16 gradients, weight writing, clip, skip)."""
+outputs (tests/data, see tests/data/README.md), edge-case groups against a float64 computation of COAT's
+group statistics (scale s, exponent k, centre c), the flat codec (chunks, bf16 gradients, weight writing, clip,
+skip)."""
 import math
 
 import pytest
@@ -42,11 +43,11 @@ def test_reference_reproduces_coat_golden(variant):
             ref_p = want["param"]
             # relative L2 error (a code that flips at an unchecked step moves one element by ~1e-5)
             rel = ((master[:nk] - ref_p).norm() / ref_p.norm()).item()
-            if expand:  # README: identical codes and k at steps 1, 10, 20; parameters within 2e-5
+            if expand:  # tests/data/README.md: identical codes and k at steps 1, 10, 20; parameters within 2e-5
                 assert bool(codes_equal.all()), (i, t, int((~codes_equal).sum()))
                 assert torch.equal(m.k[:gk], want["km"]) and torch.equal(v.k[:gk], want["kv"]), (i, t)
                 assert rel <= 2e-5, (i, t, rel)
-            else:  # README: >= 99.99% identical codes (1e-20 vs 1e-30 offset), parameters within 4e-5
+            else:  # tests/data/README.md: >= 99.99% identical codes (1e-20 vs 1e-30 offset), parameters within 4e-5
                 assert codes_equal.float().mean().item() >= 0.9999, (i, t)
                 assert rel <= 4e-5, (i, t, rel)
             assert padding_is_zero(master, m, v, n)
@@ -58,7 +59,8 @@ def padding_is_zero(master, m, v, n) -> bool:
 
 # ---------------------------------------------------------------------------------- edge groups
 def _stats64(x: torch.Tensor):
-    """DESIGN 5.4 in float64 (one group per row), with the cap on k."""
+    """COAT's group statistics in float64 (one group per row), with the cap on k: mx and mn (the nonzero
+    min) plus TINY, c = sqrt(mx * mn), k = floor(16 log2(448^2 / 2) / log2(mx / mn)) / 16, s = (mx / c)^k / 448."""
     a = x.double().abs()
     mx = a.amax(1) + TINY
     nz = torch.where(a > 0, a, math.inf).amin(1)

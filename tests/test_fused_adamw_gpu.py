@@ -1,7 +1,7 @@
 """The fused AdamW CUDA kernel (csrc/fused_adamw.cu) against its torch reference on the GPU.
 
-DESIGN 5.4: identical FP8 codes and k over 100 consecutive steps on sizes that are not multiples
-of 128, masters within 1e-6 relative (the kernel repeats the reference's fp32 operations one for
+What the kernel must meet: identical FP8 codes and k over 100 consecutive steps on sizes that are
+not multiples of 128, masters within 1e-6 relative (the kernel repeats the reference's fp32 operations one for
 one, including CUDA's powf/log2f/exp2f, which torch's fp32 pow/log2/exp2 call on the GPU, so
 everything is expected bit-identical; the test reports any difference). Also: every state format
 (FP8 expansion in the fast exp2/log2 form and in COAT's powf form), fp32 and bf16 gradients, the
@@ -10,7 +10,7 @@ COAT's golden outputs, the fp32 variant against torch's AdamW, the compiled-refe
 The 100-step test runs under every variant of the kernel (`variant`, csrc/fused_adamw.cu Variant0-7):
 0-3 are work distributions with the same operations, so each must equal the reference bit for bit;
 4-7 approximate the update's square root and division, so their masters need only be within 1e-6
-relative (DESIGN 5.4's tolerance), while the moments' codes and s, k, c, which do not depend on the
+relative (the bound above), while the moments' codes and s, k, c, which do not depend on the
 master, must still be bit for bit.
 """
 import math
@@ -193,7 +193,7 @@ def _ordinal(q):
 def test_kernel_agrees_with_coat_golden(fast):
     """Agreement with COAT's own kernel outputs (tests/data), measured, printed and bounded.
 
-    Why not bit for bit on the GPU (round 1 on the H200: v codes of tensor 0 differed at step 20):
+    Why not bit for bit on the GPU (on the H200 the v codes of tensor 0 differed at step 20):
     COAT's kernel is built with nvcc's default FMA contraction (its b1 m + (1 - b1) g and
     b2 v + (1 - b2) g g become fused multiply-adds), computes the centre as sqrt(max min) (ours:
     sqrt(max) sqrt(min), which cannot underflow) and uses powf, which is not correctly rounded; so
@@ -209,7 +209,7 @@ def test_kernel_agrees_with_coat_golden(fast):
     on the CPU: the fast form differs from the golden in 1e-5 of the codes there); at steps 10 and
     20 >= 99.5 % identical codes, identical k in >= 99 % of groups, dequantized moments within
     5e-3 relative L2 of COAT's (E4M3's own quantization error is ~3e-2; measured on the CPU: exact
-    form 2.5e-7, fast form 1.2e-3), parameters within 2e-5 relative L2 (the README's bound) for
+    form 2.5e-7, fast form 1.2e-3), parameters within 2e-5 relative L2 (tests/data/README.md's bound) for
     the exact form and 5e-4 for the fast form (measured on the CPU: 1.4e-4; its codes are a
     different rounding of the same function, so COAT's boundary cases flip more often)."""
     from coat_golden import golden_grad, load_coat_golden
@@ -286,8 +286,8 @@ def test_fp32_kernel_close_to_torch_adamw():
 
 def test_compiled_reference_fallback_close_to_kernel():
     """Without the kernel the GPU runs the reference under torch.compile (with the device skip).
-    fullgraph=True: a graph break fails here (round 1: a host tensor made in AdamHyper.scalars
-    broke the graph and inductor compiled a CPU kernel past the test's time limit). Small, one
+    fullgraph=True: a graph break fails here (a host tensor made in AdamHyper.scalars once broke the
+    graph, and inductor compiled a CPU kernel past the test's time limit). Small, one
     compile: lr changes every step but is passed as a device tensor (no recompilation)."""
     sizes = [1000, 77]
     a, grad_a, g = _setup(("fp8", "fp8", True), torch.float32, seed=3, sizes=sizes)
