@@ -1,7 +1,7 @@
 """The cross-entropy Triton kernels against their torch references under TRITON_INTERPRET=1 (CPU), run by
 tests/test_cross_entropy.py in a fresh process (Triton decides at import whether kernels are interpreted).
 fp32 logits are compared to fp32 round-off; bf16 gradients within one bf16 ulp (the interpreter truncates
-fp32 -> bf16 casts, DESIGN 7)."""
+fp32 -> bf16 casts instead of rounding them)."""
 import pytest
 import torch
 

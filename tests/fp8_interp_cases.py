@@ -4,7 +4,7 @@ Run by tests/test_fp8_triton_interp.py in a fresh process: Triton decides at imp
 interpreted, so these cases cannot share a process with tests that compile the same kernels.
 
 The interpreter (triton 3.9 here) has two rounding defects, so its casts are not asserted bit-exact
-(DESIGN 7): fp8 casts round ties away from even and mis-round across a power of two (checked with
+(hardware casts are right): fp8 casts round ties away from even and mis-round across a power of two (checked with
 `assert_interpreted_fp8_close`), and fp32 -> bf16 casts truncate (so bf16 outputs are compared within
 one bf16 ulp). Everything without a cast (amax, group scales, fp32 outputs) is compared exactly or to
 fp32 round-off. Bit-exactness on hardware: tests/test_fp8_gpu.py.

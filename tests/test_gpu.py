@@ -74,7 +74,7 @@ def test_nccl_tp2_compiled_bf16_gradients_equal_tp1(sp):
     run_distributed(tp2_compiled_bf16_vs_tp1_eager, 2, sp, "cuda", backend="nccl")
 
 
-@pytest.mark.timeout(300)  # two processes compile the layers from a cold cache (> 30 s on the H200, s10)
+@pytest.mark.timeout(300)  # two processes compile the layers from a cold cache (> 30 s on an H200)
 @pytest.mark.parametrize("coat", [False, True])
 def test_compiled_tp2_sp_weight_gradients_run_in_backward_on_gpu(coat):
     """One GPU, torch's fake process group as TP=2: the compiled graphs' weight-gradient GEMMs stay in backward."""

@@ -1,4 +1,4 @@
-"""The training loop's bookkeeping (issue 9, defects): skip counters in checkpoints, no per-step
+"""The training loop's bookkeeping defects, fixed and kept fixed: skip counters in checkpoints, no per-step
 records kept, --log-json and validation after a resume, --log-interval 0, the exit-duration clock."""
 import gc
 import json
