@@ -1,4 +1,4 @@
-"""COAT part 1 evidence on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
+"""COAT's FP8 training path on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
 one transformer layer per recipe.
 
     python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host,swiglubwd]
@@ -8,21 +8,21 @@ one transformer layer per recipe.
 Parts (each runs on its own: a failing part is recorded with its error and the others go on):
 - kernels: every FP8 kernel on a 16384 x 4096 bf16 tensor (GPU time: triton.testing.do_bench of a CUDA
   graph replay, the eager-launch time beside it; bytes
-  moved, GB/s and % of 4300 GB/s), against COAT's own Triton kernels measured on this GPU (DESIGN
-  5.2, issue 10) and a plain copy; the eager per-tensor quantize + transpose as the unfused anchor.
+  moved, GB/s and % of 4300 GB/s), against COAT's own Triton kernels measured on an H200 (COAT_US) and
+  a plain copy; the eager per-tensor quantize + transpose as the unfused anchor (EAGER_QUANT_T_US).
   With sweep: a few tile configurations per kernel, the best reported (to pick the defaults).
 - tiles: the sweep alone (no table rows): for each 1x16 kernel (quantize, dequantize, SiLU fwd/bwd,
   SwiGLU fwd/bwd) every (rows, groups, warps, split) of TILE_SWEEP, timed on the same data, each
   checked bit for bit against the default tiles' outputs (and the default's saved FP8 copies against
   the torch reference); the fastest identical one is reported with the TILES line to paste.
-  `--sweep-budget-s` bounds it (default 300 s: one GPU call runs `--parts tiles` or `kernels`).
+  `--sweep-budget-s` bounds it (default 300 s, so that `--parts tiles` or `kernels` fits a 10-minute run).
 - saved: bytes saved for backward by one Llama layer (hidden 4096, ffn 11008, 32 heads, seq 2048,
   micro-batch 1), counted with saved-tensor hooks (storages deduplicated, weights and FP8 weight
   copies excluded), in U = batch * seq * hidden * 2 bytes: bf16 vs tensorwise vs coat (target: coat
   <= 0.60x bf16; COAT's table: 22.66U / TE 18.33U / COAT 13.33U); also the allocator's view.
 - linear: forward + dgrad + wgrad of one layer's four linears at the 1.36B (8192 tokens) and 7B (4096
   tokens) shapes: bf16 vs FP8 (the full path: quantize, GEMMs, main_grad accumulation) and FP8 GEMMs
-  alone (DESIGN 5.2 anchors: 3.33 -> 1.93 ms and 6.84 -> 3.72 ms).
+  alone (torch._scaled_mm tensorwise vs bf16 mm on an H200, torch 2.11: 3.33 -> 1.93 ms and 6.84 -> 3.72 ms).
 - reductions: the amax and the norm backward (+ residual gradient) at the training shapes under every config
   of AMAX_SWEEP / NORM_BWD_SWEEP: time, % of HBM, checked against the default config.
 - gemms: every FP8 GEMM of a 1.36B and a 7B layer (fwd, dgrad, wgrad of each linear): torch._scaled_mm vs
@@ -51,9 +51,9 @@ from megacoat.precision.linear import Fp8WeightCache, fp8_gemm, fp8_linear, refr
 from megacoat.precision.recipe import Fp8Recipe  # noqa: E402
 
 HBM_GBS = 4300.0
-# COAT's own Triton kernels on this H200, 16384 x 4096 bf16 (issue 10)
+# COAT's own Triton kernels (NVlabs/COAT) timed on an H200, 16384 x 4096 bf16, in us
 COAT_US = {"quantize_1x16": 68.0, "copy": 67.0, "rmsnorm_fwd": 140.0, "silu_fwd": 79.0, "swiglu_fwd": 156.0}
-EAGER_QUANT_T_US = 985.0  # eager per-tensor quantize + transpose, DESIGN 5.2
+EAGER_QUANT_T_US = 985.0  # eager-PyTorch per-tensor quantize + transpose of the same tensor, same H200
 RECIPES = {"bf16": None, "tensorwise": Fp8Recipe(fp8_activations=False), "coat": Fp8Recipe()}
 
 
@@ -99,7 +99,7 @@ def bench_us(fn, graph: bool = True) -> float:
     graph replay of fn (`graph=False`: of fn's eager launches, what an eager step sees). Timed eager
     launches can include host time: the GPU reaches the start event after the L2 flush (~60 us) and then
     waits for the launches of a wrapper whose Python takes longer (both times are recorded; on the H200 they
-    agreed within 2% for every kernel, session 4)."""
+    agreed within 2% for every kernel of `--parts kernels`)."""
     LAST_TIMING.clear()
     if SMOKE:
         fn()
@@ -376,9 +376,10 @@ def _sweep(x, h, amax_x, n):
 
 
 AMAX_SWEEP = [(b, i, w) for b in (1024, 2048, 4096, 8192) for i in (1, 2, 4, 8) for w in (4, 8)]
-# (session 12 call 1 swept elements 2048-16384 x programs per SM 2-16 x warps 0/4/8/16: 2048-4096 with 2-8 won)
+# (a wider sweep, elements 2048-16384 x programs per SM 2-16 x warps 0/4/8/16, had its winners at 2048-4096 with
+# 2-8 programs per SM on the H200; `--parts reductions` times this narrower one)
 NORM_BWD_SWEEP = [(e, p, w, st) for e in (2048, 4096) for p in (2, 4, 8) for w in (0, 8, 16) for st in (1, 2)]
-# (tokens, hidden) of the norms and amax passes in training: 1.36B (mbs 4), 7B (mbs 2), the issue's 16384 x 4096;
+# (tokens, hidden) of the norms and amax passes in training: 1.36B (mbs 4), 7B (mbs 2), and COAT's 16384 x 4096;
 # the amax also on the 1.36B qkv gradient (tokens x 3 * hidden).
 REDUCTION_SHAPES = [(8192, 2048), (4096, 4096), (16384, 4096)]
 AMAX_EXTRA_SHAPES = [(8192, 6144)]
@@ -389,7 +390,7 @@ def part_reductions(args):
     at the training shapes, under every AMAX_SWEEP / NORM_BWD_SWEEP config: time, % of HBM and a check
     against the default config (amax equal; dx bit for bit, dw within fp32 summation-order error). The amax
     and the norm backward are the two kernels of the coat step furthest from the memory roofline (69% and
-    57% of HBM at 16384 x 4096, session 4)."""
+    57% of HBM at 16384 x 4096 on the H200, `--parts kernels`)."""
     t0 = time.time()
     out = {}
     shapes = [(40, 200)] if SMOKE else REDUCTION_SHAPES

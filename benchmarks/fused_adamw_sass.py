@@ -24,8 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "csrc", "fused_adamw.cu")
 TORCH_INCLUDES = ("#include <torch/extension.h>", "#include <c10/cuda/CUDAException.h>",
                   "#include <c10/cuda/CUDAStream.h>")
-# Variant<LANES, MIN_BLOCKS, PREFETCH[, FAST_UPDATE[, PIPELINE]]>: before session 9 the template had three
-# parameters, before session 11 four.
+# Variant<LANES, MIN_BLOCKS, PREFETCH[, FAST_UPDATE[, PIPELINE]]>: older revisions (--revision) have the template
+# with three or four parameters.
 KERNEL_RE = re.compile(r"adamw_kernelILi(\d)EfLb1ENS_7VariantILi(\d+)ELi(\d)ELb(\d)E(?:Lb(\d)E)?(?:Lb(\d)E)?")
 INSTR_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 

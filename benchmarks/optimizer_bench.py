@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Optimizer-step benchmark (issue 11 evidence) on one GPU, one 256M-element shard:
+"""Optimizer-step benchmark on one GPU, one 256M-element shard:
 
   kernels    the fused AdamW kernel (csrc/fused_adamw.cu) with FP8 moments (expansion in the
              fast exp2/log2 form, the default, and in COAT's exact powf form; absmax),
@@ -8,7 +8,7 @@
              followed by the separate master -> bf16 copy); the torch reference under
              torch.compile (what runs when the kernel is missing). Time per step (CUDA events,
              median), bytes read + written, GB/s and the fraction of ~4.3 TB/s; a device copy
-             of the same bytes (what the memory system delivers); the issue's target for FP8 with
+             of the same bytes (what the memory system delivers); the target for FP8 with
              expansion (<= 1.0 ms per 256M shard, >= 60% of 4.3 TB/s,
              faster than torch.optim.AdamW(fused=True) with fp32 states).
   variants   every kernel case above under every variant of the kernel (csrc/fused_adamw.cu Variant0-7:

@@ -1,8 +1,8 @@
-"""The peer baseline of DESIGN.md section 8, measured side by side with megacoat.
+"""The peer baseline: what plain PyTorch reaches on the same GPU, measured side by side with megacoat.
 
 A plain PyTorch Llama-style model (RMSNorm, RoPE, SwiGLU, SDPA), fp32 parameters with bf16
-autocast and fused AdamW, random tokens; optionally torch.compile per block. Written from the
-description in DESIGN.md; it is a yardstick, not part of the library.
+autocast and fused AdamW, random tokens; optionally torch.compile per block, optionally torchao's
+float8 training (`--float8`). It is a yardstick, not part of the library.
 
     python benchmarks/peer_plain_llama.py --compile --iters 30
 """
@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--float8", choices=["tensorwise", "rowwise"], default=None,
-                    help="torchao float8 training of the block linears (output layer stays bf16), as DESIGN.md section 8")
+                    help="torchao float8 training of the block linears (output layer stays bf16): the FP8 peer")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 An exported snapshot (`git archive` of a commit, as scripts/gpu_evidence.sh's callers make it) has a
 COMMIT file at its root whose first word is that commit, and no .git of its own: asking git there
-answers for whatever repository encloses the snapshot (on the device machine, a copy of the working
+answers for whatever repository encloses the snapshot (on a GPU host, for example, a copy of the working
 tree with another HEAD), so the COMMIT file is read first."""
 import os
 import subprocess

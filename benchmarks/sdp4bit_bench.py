@@ -1,4 +1,4 @@
-"""SDP4Bit evidence on one GPU (issues 12 and 13): kernel times and bandwidth, wire bytes per step.
+"""SDP4Bit (qWD and TLq-HS) on one GPU: kernel times and bandwidth, wire bytes per step.
 
 Part 1 (needs CUDA + Triton): each fused kernel on 256M elements, timed with
 triton.testing.do_bench; bytes moved = bytes read + bytes written by the kernel (its minimum
@@ -7,7 +7,7 @@ kernels measured on this GPU for comparison (ms): 4-bit quantizer 1.22; Hadamard
 reorder 1.30; dequantize + reduce + requantize 0.67; dequantize + reduce + inverse Hadamard 0.34.
 TLq-HS kernels are sized as one rank of 2 nodes x 2 GPUs with a 256M-element fp32 bucket.
 Also: a plain fp32 copy of 256M elements, the torch references on 32M elements (eager baseline),
-round 1 of these kernels (ROUND1_MS), a sweep of the tile (elements per program) and warps, and
+the first version of these kernels (FIRST_VERSION_MS), a sweep of the tile (elements per program) and warps, and
 kernel == reference bit for bit on 8M elements for every kernel. The TLq-HS encode is timed twice:
 the Triton kernel (`tlq_encode_*`) and the CUDA C++ one of csrc/sdp4bit_encode.cu (`*_cuda`, which
 `encode_partitioned` runs where it is built), on the same data; CUDA == Triton is checked too. The same
@@ -42,9 +42,10 @@ HBM_GBS = 4300.0
 SDP4BIT_MS = {"qwd_encode_delta_int4": 1.22, "tlq_encode_hadamard_int8": 1.30, "tlq_encode_hadamard_int8_cuda": 1.30,
               "tlq_reduce_requantize_int8_to_int4": 0.67, "tlq_reduce_requantize_int8_to_int4_cuda": 0.67,
               "tlq_reduce_decode_inverse_hadamard": 0.34, "fp32_copy": 0.52}
-# Round 1 of these kernels on the same H200 (benchmarks/results/raw/2026-11-30_run2_sdpbench.json).
-ROUND1_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "tlq_encode_hadamard_int8": 1.1853,
-             "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
+# The first version of these Triton kernels (per-element 64-bit index division), timed by this benchmark on an
+# H200 at commit c69e89a.
+FIRST_VERSION_MS = {"qwd_encode_delta_int4": 0.7617, "qwd_apply_delta_int4": 1.5073, "tlq_encode_hadamard_int8": 1.1853,
+                    "tlq_reduce_requantize_int8_to_int4": 0.5976, "tlq_reduce_decode_inverse_hadamard": 0.1457}
 # Tile sweep (elements per program, warps): the launchers read these module constants per call.
 SWEEP = [(4096, 4), (4096, 8), (8192, 4), (16384, 8)]
 # The CUDA kernels' grid cap (their max_blocks argument, read per call; None = each kernel's default: the encode
@@ -65,9 +66,9 @@ def _record(results, name, ms, nbytes, extra=None):
     if name in SDP4BIT_MS:
         rec["sdp4bit_ms"] = SDP4BIT_MS[name]
         rec["speedup_vs_sdp4bit"] = round(SDP4BIT_MS[name] / ms, 2)
-    if name in ROUND1_MS:
-        rec["round1_ms"] = ROUND1_MS[name]
-        rec["speedup_vs_round1"] = round(ROUND1_MS[name] / ms, 2)
+    if name in FIRST_VERSION_MS:
+        rec["first_version_ms"] = FIRST_VERSION_MS[name]
+        rec["speedup_vs_first_version"] = round(FIRST_VERSION_MS[name] / ms, 2)
     rec.update(extra or {})
     results[name] = rec
     print(f"{name:42s} {ms:8.3f} ms {gbs:8.0f} GB/s ({100 * gbs / HBM_GBS:5.1f}% of {HBM_GBS:.0f})"

@@ -1,4 +1,4 @@
-"""What the training loop's per-step bookkeeping costs on the GPU (issue 9, defects): the log's
+"""What the training loop's per-step bookkeeping costs on the GPU: the log's
 device-side sums and the skipped/NaN counters (which replaced per-step records kept for the whole
 run) must not make the host wait for the device, and must cost next to nothing per step.
 
