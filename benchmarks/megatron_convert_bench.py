@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Megatron-LM <-> megacoat conversion (issue 16): speed, bytes, exactness, and logits vs megatron-core.
+"""Megatron-LM <-> megacoat conversion: speed, bytes, exactness, and logits vs megatron-core.
 
     python benchmarks/megatron_convert_bench.py --out benchmarks/results/megatron_convert.json
     python benchmarks/megatron_convert_bench.py --smoke --out /tmp/m.json      # CPU check of the script
@@ -33,11 +33,11 @@ def _dir_bytes(path):
 
 
 def part_convert(a, work):
-    from megacoat.checkpoint.megatron import megacoat_to_megatron, megatron_to_megacoat
-    from megacoat.checkpoint.megatron_model import args_from_model_config, megacoat_to_megatron as names_to_megatron
-    from megacoat.checkpoint.megatron_torch import write_torch_checkpoint
     from megacoat.checkpoint.model_io import read_model_tensors
     from megacoat.config import ModelConfig, resolve_model_defaults
+    from megacoat.convert.megatron import megacoat_to_megatron, megatron_to_megacoat
+    from megacoat.convert.megatron_model import args_from_model_config, megacoat_to_megatron as names_to_megatron
+    from megacoat.convert.megatron_torch import write_torch_checkpoint
     m = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=a.ffn, num_attention_heads=a.heads,
                     group_query_attention=True, num_query_groups=a.groups, seq_length=2048,
                     normalization="RMSNorm", activation="swiglu", untie_embeddings_and_output_weights=True)
@@ -94,9 +94,9 @@ def part_logits(a, work):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
     import megacoat
-    from megacoat.checkpoint.megatron import megatron_to_megacoat
-    from megacoat.checkpoint.megatron_torch import write_torch_checkpoint
-    from megacoat.checkpoint.megatron_model import args_from_model_config
+    from megacoat.convert.megatron import megatron_to_megacoat
+    from megacoat.convert.megatron_model import args_from_model_config
+    from megacoat.convert.megatron_torch import write_torch_checkpoint
     if not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

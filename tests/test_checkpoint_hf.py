@@ -103,7 +103,7 @@ def test_unsupported_features_are_refused(tmp_path, capsys):
     assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
                    "--save-dir", str(tmp_path / "out")) == 2
     assert "not supported" in capsys.readouterr().err
-    from megacoat.checkpoint.hf import family_of_megacoat
+    from megacoat.convert.hf import family_of_megacoat
     from megacoat.config import ModelConfig, resolve_model_defaults
     m = ModelConfig(normalization="LayerNorm")  # SwiGLU + RoPE + LayerNorm: neither Llama nor GPT-2
     resolve_model_defaults(m)

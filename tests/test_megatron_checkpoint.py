@@ -1,4 +1,4 @@
-"""Megatron-LM checkpoints <-> megacoat (issue 16), against megatron-core's own GPTModel.
+"""Megatron-LM checkpoints <-> megacoat, against megatron-core's own GPTModel.
 
 A megatron-core GPTModel is built at TP=1 on the CPU; its state dict is written in Megatron's
 `torch` layout at TP=2/PP=2 by the split below (Megatron's rules, written out here independently
@@ -21,9 +21,9 @@ mcore = pytest.importorskip("megatron.core", reason="needs megatron-core (pip in
 
 import megacoat  # noqa: E402
 from megacoat.checkpoint import CheckpointError  # noqa: E402
-from megacoat.checkpoint.megatron import TokenizerFlags, megacoat_to_megatron, megatron_to_megacoat  # noqa: E402
-from megacoat.checkpoint.megatron_pickle import load_torch_file  # noqa: E402
 from megacoat.checkpoint.model_io import read_model_tensors  # noqa: E402
+from megacoat.convert.megatron import TokenizerFlags, megacoat_to_megatron, megatron_to_megacoat  # noqa: E402
+from megacoat.convert.megatron_pickle import load_torch_file  # noqa: E402
 
 VOCAB = 100  # padded to 128 by Megatron's rule (make_vocab_size_divisible_by 64 x TP 2)
 SEQ = 16
@@ -398,7 +398,7 @@ def test_untrusted_pickles_never_run_code(tmp_path):
         with pytest.raises(CheckpointError, match="refused to unpickle"):
             load_torch_file(path)
     assert victim.is_dir()
-    from megacoat.checkpoint.megatron_pickle import load_dcp_metadata
+    from megacoat.convert.megatron_pickle import load_dcp_metadata
     for evil in (Deleter(), Evaluator()):
         (tmp_path / ".metadata").write_bytes(pickle.dumps(evil))
         with pytest.raises(CheckpointError, match="not a checkpoint metadata type"):

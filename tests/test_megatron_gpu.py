@@ -1,4 +1,4 @@
-"""GPU (issue 16): megatron-core's own forward on CUDA (no CPU patches) equals megacoat's after conversion.
+"""GPU: megatron-core's own forward on CUDA (no CPU patches) equals megacoat's after conversion.
 
 Needs megatron-core: `pip install --no-deps megatron-core` (offline: the wheel carried in
 .whl/megatron-core/, see docs/migrating-from-megatron.md). Skipped without CUDA or megatron-core.
@@ -16,7 +16,7 @@ from test_megatron_checkpoint import (GPT2, LLAMA, SEQ, VOCAB, build_mcore, mega
                                       megatron_split, save_torch_format, weights)
 
 import megacoat  # noqa: E402
-from megacoat.checkpoint.megatron import megatron_to_megacoat  # noqa: E402
+from megacoat.convert.megatron import megatron_to_megacoat  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Megatron's tokenizers in megacoat (issue 16): GPT2BPETokenizer (--vocab-file/--merge-file) and
+"""Megatron's tokenizers in megacoat: GPT2BPETokenizer (--vocab-file/--merge-file) and
 HuggingFaceTokenizer (--tokenizer-model DIR), in preprocessing, training and tools/generate.py."""
 import json
 import os

@@ -14,9 +14,17 @@ Reads Megatron's `torch` format (iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt, any
 `torch_dist` format (no megatron-core needed); writes the `torch` format. The model flags come
 from the checkpoint's saved args. See docs/migrating-from-megatron.md.
 
+A megacoat checkpoint imported from Megatron goes back with the layer spec it came with (local or
+TransformerEngine names) unless --megatron-transformer-impl says otherwise; the spec written is printed.
+
 megacoat checkpoints load at any TP/DP whatever the target TP: the target only decides how the
 weights are split into files (one per TP rank) and the TP recorded in the saved flags.
 megacoat -> megacoat writes a weights-only copy at the target TP.
+
+A --save-dir that already holds a checkpoint (a tracker, iter_* or release directories) or a Hugging
+Face model is refused unless --force is given. Even with --force a checkpoint directory is never
+rewound: writing an iteration older than the newest one there is refused (its tracker would move
+backwards and the next --load would restart that run).
 """
 import argparse
 import os
@@ -26,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from megacoat.checkpoint.format import CheckpointError  # noqa: E402
+from megacoat.checkpoint import CheckpointError  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,12 +48,16 @@ def parse(argv=None):
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="Cast the weights (default: keep).")
+    p.add_argument("--force", action="store_true",
+                   help="Write into a --save-dir that already holds a checkpoint or model (never to an iteration "
+                        "older than the newest one there).")
     g = p.add_argument_group("Megatron-LM")
     g.add_argument("--carry-iteration", action="store_true",
                    help="Keep the iteration and consumed samples (default: start at 0; Megatron gets a 'release' "
                         "checkpoint).")
-    g.add_argument("--megatron-transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
-                   help="Layer spec whose parameter names the Megatron checkpoint gets (its --transformer-impl).")
+    g.add_argument("--megatron-transformer-impl", choices=["transformer_engine", "local"], default=None,
+                   help="Layer spec whose parameter names the Megatron checkpoint gets (its --transformer-impl). "
+                        "Default: the spec the checkpoint was imported from Megatron with, else transformer_engine.")
     g.add_argument("--true-vocab-size", type=int, default=None,
                    help="Vocabulary size without Megatron's padding (default: the tokenizer's).")
     g.add_argument("--tokenizer-type", default=None, help="Tokenizer to copy into the converted checkpoint "
@@ -59,44 +71,43 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from megacoat.checkpoint.hf import _check_pp, hf_to_megacoat, megacoat_to_hf
-    from megacoat.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+    from megacoat.convert import (TokenizerFlags, hf_to_megacoat, megacoat_to_hf, megacoat_to_megacoat,
+                                  megacoat_to_megatron, megatron_to_megacoat)
     dtype = DTYPES.get(a.dtype)
     try:
         if a.target_tensor_parallel_size < 1:
             raise CheckpointError("--target-tensor-parallel-size must be >= 1")
         megatron_only = [f for f, v in (("--carry-iteration", a.carry_iteration), ("--true-vocab-size", a.true_vocab_size),
-                                        ("--tokenizer-type", a.tokenizer_type)) if v]
+                                        ("--tokenizer-type", a.tokenizer_type),
+                                        ("--megatron-transformer-impl", a.megatron_transformer_impl)) if v]
         if megatron_only and "megatron" not in (a.load_format, a.save_format):
             raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
         if a.load_format == "megatron" and a.save_format == "megacoat":
-            from megacoat.checkpoint.megatron import TokenizerFlags, megatron_to_megacoat
             if a.target_pipeline_parallel_size < 1:
                 raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
+            if a.megatron_transformer_impl:
+                raise CheckpointError("--megatron-transformer-impl applies to megacoat -> Megatron; the layer spec of "
+                                      "a Megatron checkpoint is read from its parameter names and args")
             tok = TokenizerFlags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
             out = megatron_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size, dtype, tok,
-                                       a.true_vocab_size, a.carry_iteration)
+                                       a.true_vocab_size, a.carry_iteration, force=a.force)
         elif a.load_format == "megacoat" and a.save_format == "megatron":
-            from megacoat.checkpoint.megatron import megacoat_to_megatron
             out = megacoat_to_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
                                        a.target_pipeline_parallel_size, dtype, a.megatron_transformer_impl,
-                                       a.carry_iteration)
+                                       a.carry_iteration, force=a.force)
         elif "megatron" in (a.load_format, a.save_format):
             raise CheckpointError("Megatron checkpoints convert to and from megacoat; go through megacoat for "
                                   f"{a.load_format} -> {a.save_format}")
         elif a.load_format == "hf" and a.save_format == "megacoat":
             out = hf_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                 a.target_pipeline_parallel_size, dtype)
+                                 a.target_pipeline_parallel_size, dtype, force=a.force)
         elif a.load_format == "megacoat" and a.save_format == "hf":
             if a.target_tensor_parallel_size != 1 or a.target_pipeline_parallel_size != 1:
                 raise CheckpointError("--target-*-parallel-size applies to megacoat output only")
-            out = megacoat_to_hf(a.load_dir, a.save_dir, dtype)
+            out = megacoat_to_hf(a.load_dir, a.save_dir, dtype, force=a.force)
         elif a.load_format == "megacoat" and a.save_format == "megacoat":
-            m, vocab, tensors, _ = read_model_tensors(a.load_dir)
-            _check_pp(a.target_pipeline_parallel_size, m.num_layers)
-            if dtype is not None:
-                tensors = {k: v.to(dtype) for k, v in tensors.items()}
-            out = write_model_checkpoint(a.save_dir, m, vocab, tensors, tp=a.target_tensor_parallel_size)
+            out = megacoat_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                                       a.target_pipeline_parallel_size, dtype, force=a.force)
         else:
             raise CheckpointError("hf -> hf is not a conversion; copy the directory")
     except (CheckpointError, ValueError) as e:

@@ -9,8 +9,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
-from .format import CheckpointError
 from .hf_llama import fuse_qkv, split_qkv
 
 GPT2_SHAPE = dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .format import CheckpointError
+from ..checkpoint.format import CheckpointError
 from .megatron_model import EXTRA_STATE, LAYER_KEY, local_to_te, merge_tp, split_tp, te_to_local
 from .megatron_pickle import load_torch_file
 
@@ -126,11 +127,14 @@ def stage_layers(num_layers: int, pp: int) -> List[range]:
 def write_torch_checkpoint(save_dir: str, full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: int,
                            common: dict, gated: bool, tied: bool, spec: str, iteration: Optional[int]) -> str:
     """One model_optim_rng.pt per (tp, pp) rank, split the way Megatron splits; `iteration` None writes a
-    `release` checkpoint (Megatron then starts at iteration 0 and skips optimizer and RNG state)."""
+    `release` checkpoint (Megatron then starts at iteration 0 and skips optimizer and RNG state).
+    An existing directory of that iteration is replaced whole, so no rank file of another layout stays."""
     if spec not in EXTRA_STATE:
         raise CheckpointError(f"unknown Megatron layer spec {spec!r}; choose {sorted(EXTRA_STATE)}")
     name = "release" if iteration is None else f"iter_{iteration:07d}"
-    iter_dir = os.path.join(save_dir, name)
+    final_dir = os.path.join(save_dir, name)
+    iter_dir = os.path.join(save_dir, f".{name}.partial")
+    shutil.rmtree(iter_dir, ignore_errors=True)
     for p, layers in enumerate(stage_layers(num_layers, pp)):
         first, last = p == 0, p == pp - 1
         stage: Dict[str, object] = {}
@@ -161,6 +165,8 @@ def write_torch_checkpoint(save_dir: str, full: Dict[str, torch.Tensor], num_lay
             os.makedirs(rank_dir, exist_ok=True)
             state = dict(common, model=sd)
             torch.save(state, os.path.join(rank_dir, FILE))
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.rename(iter_dir, final_dir)
     with open(os.path.join(save_dir, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
-    return iter_dir
+    return final_dir

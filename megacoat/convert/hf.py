@@ -12,10 +12,11 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
+from ..checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
-from .format import TOKENIZER_DIR, CheckpointError
-from .model_io import read_model_tensors, write_model_checkpoint
+from .target import check_checkpoint_target, check_hf_target, check_target_pp
 
 FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
@@ -76,12 +77,15 @@ def family_of_megacoat(m) -> str:
     raise CheckpointError("no Hugging Face architecture matches this model:\n  " + "\n  ".join(errors))
 
 
-def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None) -> str:
+def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
+                   force: bool = False) -> str:
+    """A weights-only megacoat checkpoint (iteration 0) of a Hugging Face Llama or GPT-2 directory."""
+    check_checkpoint_target(save_dir, 0, force)
     config, raw = read_hf_dir(hf_dir)
     family = family_of_hf(config)
     tracked = _Tracked(raw)
     m, vocab_size, tensors = FAMILIES[family].from_hf(config, tracked)
-    _check_pp(pp, m.num_layers)
+    check_target_pp(pp, m.num_layers)
     unused = sorted(k for k in set(raw) - tracked.used if not k.endswith(IGNORED_SUFFIXES))
     if unused:
         raise CheckpointError(f"the Hugging Face weights hold tensors the {family} mapping does not understand "
@@ -109,35 +113,24 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     return write_model_checkpoint(save_dir, m, vocab_size, tensors, tp=tp, cfg=cfg, extra_files=copy_tokenizer)
 
 
-def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None) -> str:
+def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False) -> str:
+    """A Hugging Face directory (config.json, model.safetensors, tokenizer files) of a megacoat checkpoint."""
+    stale = check_hf_target(save_dir, force)
     m, vocab_size, tensors, meta = read_model_tensors(checkpoint_dir)
     family = family_of_megacoat(m)
     dtype = dtype or next(iter(tensors.values())).dtype
     config, hf_tensors = FAMILIES[family].to_hf(m, vocab_size, tensors, dtype)
     from safetensors.torch import save_file
     os.makedirs(save_dir, exist_ok=True)
+    for name in stale:  # forced: an old shard or index would be read instead of the new weights
+        os.remove(os.path.join(save_dir, name))
     save_file(hf_tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(save_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     tok = (meta.get("extra") or {}).get("tokenizer", {})
     if tok.get("type") == "HuggingFaceTokenizer" and tok.get("file"):
-        src_dir = os.path.join(_iteration_dir(checkpoint_dir), os.path.dirname(tok["file"]))
+        src_dir = os.path.join(resolve_checkpoint_dir(checkpoint_dir), os.path.dirname(tok["file"]))
         for f in TOKENIZER_FILES:
             if os.path.exists(os.path.join(src_dir, f)):
                 shutil.copyfile(os.path.join(src_dir, f), os.path.join(save_dir, f))
     return save_dir
-
-
-def _iteration_dir(checkpoint_dir: str) -> str:
-    from .format import resolve_checkpoint_dir
-    return resolve_checkpoint_dir(checkpoint_dir)
-
-
-def _check_pp(pp: int, num_layers: int) -> None:
-    """Checkpoint pieces are keyed by global parameter names (global layer numbers), so the same
-    files load at every pipeline size: a target PP only has to be a valid split of the layers."""
-    if pp < 1:
-        raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
-    if num_layers % pp:
-        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide the model's {num_layers} layers "
-                              "(uneven splits: load with --decoder-first/last-pipeline-num-layers instead)")

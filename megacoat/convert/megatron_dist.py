@@ -17,7 +17,7 @@ from typing import Dict
 
 import torch
 
-from .format import CheckpointError
+from ..checkpoint.format import CheckpointError
 from .megatron_model import te_to_local
 from .megatron_pickle import load_dcp_metadata, load_tensor_bytes, load_torch_file, record_fields
 

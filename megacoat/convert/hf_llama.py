@@ -10,8 +10,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
-from .format import CheckpointError
 
 LLAMA_SHAPE = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False)
 

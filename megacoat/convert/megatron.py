@@ -3,9 +3,11 @@
 Megatron -> megacoat: reads the `torch` format (any TP/PP/virtual PP, local or TransformerEngine
 layer spec) or the `torch_dist` format, takes the model flags from the saved args (what
 Megatron's `--use-checkpoint-args` does), refuses variants megacoat cannot represent, and
-writes a weights-only megacoat checkpoint whose config carries the model and tokenizer flags.
-megacoat -> Megatron: writes the `torch` format at a target TP/PP for the local or the
-TransformerEngine spec, with args that Megatron's `--use-checkpoint-args` reads.
+writes a weights-only megacoat checkpoint whose config carries the model and tokenizer flags and
+whose metadata records the source (`extra.source`: Megatron format and layer spec).
+megacoat -> Megatron: writes the `torch` format at a target TP/PP with args that Megatron's
+`--use-checkpoint-args` reads, in the layer spec asked for, else the one recorded at import, else
+TransformerEngine's (Megatron's default).
 Iteration and consumed samples are carried over only when asked (`carry_iteration`); otherwise
 Megatron gets a `release` checkpoint and megacoat iteration 0.
 """
@@ -18,16 +20,17 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.checkpointer import _copy_tokenizer
+from ..checkpoint.collect import MODEL_KIND
+from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
+from ..checkpoint.model_io import model_config_of, write_model_checkpoint
+from ..checkpoint.reader import CheckpointReader
 from ..config import MegacoatConfig
-from .checkpointer import _copy_tokenizer
-from .collect import MODEL_KIND
-from .format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
 from .megatron_dist import is_dist_format, read_dist_checkpoint
-from .megatron_model import args_from_model_config, megacoat_to_megatron as to_megatron_names, \
+from .megatron_model import EXTRA_STATE, args_from_model_config, megacoat_to_megatron as to_megatron_names, \
     megatron_to_megacoat as to_megacoat_names, model_config_from_args, padded_vocab
 from .megatron_torch import is_torch_format, read_torch_checkpoint, resolve_iteration_dir, write_torch_checkpoint
-from .model_io import write_model_checkpoint
-from .reader import CheckpointReader
+from .target import check_checkpoint_target
 
 # Megatron tokenizer types megacoat builds itself (same names, same semantics).
 SHARED_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -43,21 +46,32 @@ class TokenizerFlags:
     vocab_size: Optional[int] = None  # NullTokenizer: ids 0..N-1, eod N
 
 
+DEFAULT_SPEC = "transformer_engine"  # Megatron's default --transformer-impl
+
+
 def read_megatron(load_dir: str):
-    """(common state with 'args', full TP=1 Megatron tensors, format name)."""
+    """(common state with 'args', full TP=1 Megatron tensors, format name, layer spec or None if unknown)."""
     iter_dir = resolve_iteration_dir(load_dir)
     if is_torch_format(iter_dir):
-        common, full, _, _ = read_torch_checkpoint(iter_dir)
+        common, full, spec, _ = read_torch_checkpoint(iter_dir)  # the spec its parameter names belong to
         fmt = "torch"
     elif is_dist_format(iter_dir):
         common, full = read_dist_checkpoint(iter_dir)
         fmt = "torch_dist"
+        spec = getattr(common.get("args"), "transformer_impl", None)  # torch_dist keys use TE names for both specs
+        spec = spec if spec in EXTRA_STATE else None
     else:
         raise CheckpointError(f"{iter_dir}: neither mp_rank_* directories (torch format) nor a distributed "
                               "checkpoint (.metadata, torch_dist format)")
     if common.get("args") is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint saved no args; megacoat takes the model flags from them")
-    return common, full, fmt
+    return common, full, fmt, spec
+
+
+def recorded_spec(meta: dict) -> Optional[str]:
+    """The Megatron layer spec a megacoat checkpoint was imported from (None: not from Megatron, or unknown)."""
+    spec = ((meta.get("extra") or {}).get("source") or {}).get("megatron_transformer_impl")
+    return spec if spec in EXTRA_STATE else None
 
 
 # File names of the tokenizer copy recent Megatron versions keep in <iteration dir>/tokenizer/.
@@ -105,8 +119,9 @@ def _tokenizer_from(flags: TokenizerFlags, args, log, iter_dir: str = ""):
 
 def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optional[torch.dtype] = None,
                          tokenizer: TokenizerFlags = TokenizerFlags(), true_vocab_size: Optional[int] = None,
-                         carry_iteration: bool = False, log=print) -> str:
-    common, full, fmt = read_megatron(load_dir)
+                         carry_iteration: bool = False, log=print, force: bool = False) -> str:
+    check_checkpoint_target(save_dir, None, force)  # fail before reading a large checkpoint
+    common, full, fmt, spec = read_megatron(load_dir)
     args = common["args"]
     m = model_config_from_args(args, full)
     tok = _tokenizer_from(tokenizer, args, log, resolve_iteration_dir(load_dir))
@@ -123,6 +138,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     iteration = int(common.get("iteration", 0) or 0) if carry_iteration else 0
+    check_checkpoint_target(save_dir, iteration, force)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if carry_iteration else 0
     cfg = MegacoatConfig()
     cfg.model = m
@@ -141,14 +157,17 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
             copied = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.model_file))
             cfg.data.tokenizer_model = os.path.dirname(copied) if kind == "HuggingFaceTokenizer" else copied
 
+    source = {"megatron_format": fmt, "megatron_transformer_impl": spec}  # read back by megacoat_to_megatron
+
     def extra(partial: str) -> dict:
         if tok is None:
-            return {"tokenizer": {"type": "NullTokenizer", "vocab_size": vocab}, "source": {"megatron_format": fmt}}
-        return dict(_copy_tokenizer(tok, partial), source={"megatron_format": fmt})
+            return {"tokenizer": {"type": "NullTokenizer", "vocab_size": vocab}, "source": source}
+        return dict(_copy_tokenizer(tok, partial), source=source)
 
     out = write_model_checkpoint(save_dir, m, vocab, tensors, tp=tp, iteration=iteration, cfg=cfg,
                                  extra_files=extra, consumed_samples=consumed)
-    log(f"Megatron {fmt} checkpoint -> megacoat: {m.num_layers} layers, hidden {m.hidden_size}, vocab {vocab}"
+    log(f"Megatron {fmt} checkpoint ({spec or 'unknown'} layer spec) -> megacoat: {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, vocab {vocab}"
         + (f", iteration {iteration}, consumed samples {consumed}" if carry_iteration else ""))
     return out
 
@@ -173,18 +192,27 @@ def _megatron_tokenizer_args(info: dict, ckpt_dir: str, save_dir: str) -> dict:
 
 
 def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
-                         spec: str = "transformer_engine", carry_iteration: bool = False, log=print) -> str:
+                         spec: Optional[str] = None, carry_iteration: bool = False, log=print,
+                         force: bool = False) -> str:
+    """`spec` (local or transformer_engine): the layer spec whose parameter names Megatron gets; None
+    keeps the one the checkpoint was imported from Megatron with, else Megatron's default."""
+    check_checkpoint_target(save_dir, None, force)
     ckpt_dir = resolve_checkpoint_dir(load_dir)
     reader = CheckpointReader(ckpt_dir)
     try:
-        from .model_io import model_config_of
         m = model_config_of(reader)
         vocab = reader.meta["vocab_size"]
         tensors = {name: reader.canonical(MODEL_KIND, name) for name in reader.names()}
         train_state = reader.common().get("train_state", {})
         tok_info = (reader.meta.get("extra") or {}).get("tokenizer", {})
+        recorded = recorded_spec(reader.meta)
     finally:
         reader.close()
+    if spec is None:
+        spec, why = (recorded, "recorded when the checkpoint was imported") if recorded else \
+            (DEFAULT_SPEC, "Megatron's default; --megatron-transformer-impl local for the local spec")
+    else:
+        why = "asked for"
     if m.num_query_groups % tp or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} must divide the heads ({m.num_attention_heads}), "
                               f"query groups ({m.num_query_groups}) and ffn size ({m.ffn_hidden_size})")
@@ -192,6 +220,7 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     padded = padded_vocab(vocab, m, tp)
     full = {k: v.to(dtype) for k, v in to_megatron_names(m, padded, tensors).items()}
     iteration = int(train_state.get("iteration", 0)) if carry_iteration else None
+    check_checkpoint_target(save_dir, iteration or 0, force)
     extra = dict(_megatron_tokenizer_args(tok_info, ckpt_dir, save_dir), true_vocab_size=vocab,
                  params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
                  iteration=iteration or 0,
@@ -200,5 +229,5 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
     out = write_torch_checkpoint(save_dir, full, m.num_layers, tp, pp, common, gated=m.activation == "swiglu",
                                  tied=not m.untie_embeddings_and_output_weights, spec=spec, iteration=iteration)
-    log(f"megacoat -> Megatron torch format ({spec} spec) at TP {tp}, PP {pp}: {out}")
+    log(f"megacoat -> Megatron torch format, {spec} layer spec ({why}), TP {tp}, PP {pp}: {out}")
     return out

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from .format import CheckpointError
+from ..checkpoint.format import CheckpointError
 
 
 class Opaque:

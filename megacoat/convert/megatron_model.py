@@ -18,9 +18,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig, resolve_model_defaults
 from ..model.gpt import padded_vocab_size
-from .format import CheckpointError
 
 # (megacoat suffix, megatron suffix) inside a layer; one table for both directions.
 LAYER_NAMES = [

@@ -1,0 +1,83 @@
+"""Where a conversion writes: the target directory and the target pipeline size.
+
+A directory that already holds a checkpoint (megacoat's or Megatron's: a tracker, `iter_*` or
+`release` directories) is refused unless forced, and even forced it is never rewound: writing an
+iteration older than the newest one there would move the tracker backwards, and the next `--load`
+of that directory would restart the run from the converted weights.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import List, Optional
+
+from ..checkpoint.format import METADATA_FILE, TRACKER_FILE, CheckpointError, read_tracker
+
+ITERATION_DIR = re.compile(r"^iter_(\d+)$")
+RELEASE_DIR = "release"  # Megatron's iteration-less checkpoint (tracker "release", loaded as iteration 0)
+# Files a Hugging Face loader reads weights from; a stale one would shadow the converted model.
+HF_WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin"
+                            r"|pytorch_model\.bin\.index\.json)$")
+HF_CONFIG_FILE = "config.json"
+
+
+def checkpoint_entries(save_dir: str) -> List[str]:
+    """The names in `save_dir` that make it a checkpoint directory (empty: nothing to overwrite)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(n for n in os.listdir(save_dir)
+                  if n == TRACKER_FILE or n == RELEASE_DIR or ITERATION_DIR.match(n))
+
+
+def newest_iteration(save_dir: str) -> Optional[int]:
+    """The newest iteration `save_dir` holds: its tracker's or its newest `iter_*` directory's
+    (a tracker-less directory still holds its checkpoints); `release` counts as 0."""
+    found = [int(m.group(1)) for m in map(ITERATION_DIR.match, os.listdir(save_dir)) if m]
+    if os.path.isdir(os.path.join(save_dir, RELEASE_DIR)):
+        found.append(0)
+    tracked = read_tracker(save_dir)
+    if tracked is not None:
+        found.append(tracked)
+    return max(found) if found else None
+
+
+def check_checkpoint_target(save_dir: str, iteration: Optional[int], force: bool) -> None:
+    """Refuse to write `iteration` (None: not known yet, only the emptiness check runs) into a
+    directory that holds a checkpoint unless `force`; refuse always if that would rewind it."""
+    if os.path.isfile(os.path.join(save_dir, METADATA_FILE)):
+        raise CheckpointError(f"{save_dir} is one checkpoint's iteration directory; give --save-dir its parent "
+                              "directory or a new one")
+    held = checkpoint_entries(save_dir)
+    if not held:
+        return
+    if not force:
+        raise CheckpointError(f"{save_dir} already holds a checkpoint ({', '.join(held[:3])}); choose a new "
+                              "--save-dir, or pass --force to write into it")
+    newest = newest_iteration(save_dir)
+    if iteration is not None and newest is not None and newest > iteration:
+        raise CheckpointError(f"{save_dir} holds iteration {newest}, newer than the iteration {iteration} this "
+                              "conversion writes: its tracker would move backwards and the next --load would "
+                              "rewind that run; choose a new --save-dir")
+
+
+def check_hf_target(save_dir: str, force: bool) -> List[str]:
+    """Refuse a directory that already holds a Hugging Face model unless `force`; returns its weight
+    files (forced: the caller removes them, so no stale shard shadows the new weights)."""
+    if not os.path.isdir(save_dir):
+        return []
+    weights = sorted(n for n in os.listdir(save_dir) if HF_WEIGHT_FILE.match(n))
+    held = weights + ([HF_CONFIG_FILE] if os.path.isfile(os.path.join(save_dir, HF_CONFIG_FILE)) else [])
+    if held and not force:
+        raise CheckpointError(f"{save_dir} already holds a Hugging Face model ({', '.join(held[:3])}); choose a "
+                              "new --save-dir, or pass --force to replace it")
+    return weights
+
+
+def check_target_pp(pp: int, num_layers: int) -> None:
+    """Checkpoint pieces are keyed by global parameter names (global layer numbers), so the same
+    files load at every pipeline size: a target PP only has to be a valid split of the layers."""
+    if pp < 1:
+        raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
+    if num_layers % pp:
+        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide the model's {num_layers} layers "
+                              "(uneven splits: load with --decoder-first/last-pipeline-num-layers instead)")
