@@ -49,6 +49,43 @@ def test_exact_resume_tp2_async_save(tmp_path):
     assert _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "ref.jsonl")
 
 
+STATE_FORMATS = {
+    "fp8": ["--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp8"],
+    "bf16": ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+    "fp32": [],
+}
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["ddp", "zero"])
+@pytest.mark.parametrize("states", sorted(STATE_FORMATS))
+def test_async_save_resumes_exactly_for_every_state_format(tmp_path, states, zero):
+    """--async-save snapshots every piece, per-group ones (FP8 scale/exponent/centre) included."""
+    args = ["--train-iters", "6"] + STATE_FORMATS[states] + (["--use-distributed-optimizer"] if zero else [])
+    ref, _ = train(args)
+    save = str(tmp_path / "ckpt")
+    run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
+    first, _ = train(run + ["--exit-interval", "3"])
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    second, _ = train(run)
+    assert first + second == ref  # bit-identical
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [False, True], ids=["ddp", "zero"])
+def test_async_save_fp8_states_two_ranks_resumes_exactly(tmp_path, zero):
+    args = COMMON + ["--train-iters", "6"] + STATE_FORMATS["fp8"] + (["--use-distributed-optimizer"] if zero else [])
+    r = run_cli(args + ["--log-json", str(tmp_path / "ref.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    save = str(tmp_path / "ckpt")
+    run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
+    r = run_cli(run + ["--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(run + ["--log-json", str(tmp_path / "b.jsonl")], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "loaded checkpoint" in r.stdout
+    assert _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "ref.jsonl")
+
+
 def test_finetune_and_no_load_optim(tmp_path):
     save = str(tmp_path / "ckpt")
     train(["--train-iters", "3", "--save", save])

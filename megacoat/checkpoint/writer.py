@@ -7,6 +7,7 @@ index (offsets, dtypes, CRC32 per piece) lives in metadata.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import shutil
@@ -86,7 +87,7 @@ class HostSnapshot:
             n = p.tensor.numel() * p.tensor.element_size()
             dst = self.buffer[off: off + n].view(p.tensor.dtype)
             dst.copy_(p.tensor.detach(), non_blocking=pinned)
-            out.append(Piece(p.kind, p.name, p.tp_rank, p.start, p.end, dst))
+            out.append(dataclasses.replace(p, tensor=dst))  # every field but the tensor, per-group ones included
         if pinned:
             torch.cuda.current_stream().synchronize()
         return out
