@@ -8,7 +8,7 @@ from . import triton_available
 from .fp8 import triton_cdiv
 
 # (BLOCK, num_warps): 8 bf16 per thread per load, one 16-byte access. Fastest of the 12 tiles measured on
-# the H200 for 8192 x 32000 bf16 (benchmarks/cross_entropy_bench.py --tiles, 2026-12-01 session 10 call 1):
+# an H200 for 8192 x 32000 bf16 (`benchmarks/cross_entropy_bench.py --tiles`):
 # row_stats 310.9 us (2048x8: 317.1), softmax_grad 314.8 us (2048x8: 350.0).
 TILES = {"row_stats": (1024, 4), "softmax_grad": (1024, 4)}
 

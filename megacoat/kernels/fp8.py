@@ -21,8 +21,8 @@ AMAX_BLOCK = 4096
 AMAX_ITERS = 4
 # Tile sizes and warps per kernel: cast (rows, cols, num_warps); 1x16 kernels (rows, 16-groups,
 # num_warps, split: threads per group, 1 or 2; see kernels/triton/fp8_quant.py). A dict so that
-# benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use (1x16: the sweep's
-# winners on the H200, 2026-12-01 session 3 call 2).
+# benchmarks/fp8_bench.py can sweep them on the GPU; the values here are the ones in use (1x16: the winners of
+# `benchmarks/fp8_bench.py --parts tiles` on an H200).
 # cast: 128x128 tiles so that each row of the transposed copy is written 128 bytes at a time.
 # amax: (elements per block, blocks per program (unrolled: every load in flight at once), num_warps).
 TILES = {"cast": (128, 128, 8), "quantize_1x16": (4, 64, 4, 1), "dequantize_1x16": (4, 64, 4, 1),

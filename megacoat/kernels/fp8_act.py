@@ -15,21 +15,21 @@ from .fp8 import EPS, FP8_DTYPE, FP8_MAX, SCALE_DTYPE_1X16, group_grid, pow2_at_
 SAVE = "e4m3"
 ACT_KIND = {"silu": 0, "gelu": 1}
 # (rows, 16-groups, num_warps, split) of each element-wise kernel (split: threads per 16-group, 1 or 2;
-# the winners of `fp8_bench.py --parts tiles` on the H200, 2026-12-01 session 3 call 2;
+# the winners of `benchmarks/fp8_bench.py --parts tiles` on an H200;
 # see kernels/triton/fp8_quant.py); the norms take whole rows (see _norm_tile).
 # Module-level so that benchmarks/fp8_bench.py can sweep them.
 TILES = {"act_fwd": (4, 32, 4, 2), "act_bwd": (2, 64, 4, 2), "swiglu_fwd": (4, 64, 8, 2),
          "swiglu_bwd": (8, 16, 4, 1), "norm_elems_per_program": 4096,
          # The SwiGLU backward straight to per-tensor FP8 (both layouts): its amax pass (a 1x16 tile as above;
          # it stores nothing, so larger tiles: fewer programs, fewer atomics on the one amax) and the cast's 2-D
-         # tile (rows, gate columns, num_warps). Cast: the best of `fp8_bench --parts swiglubwd` on the H200 at
-         # [8192, 2 x 5632] and [16384, 2 x 4096] (2026-12-02 session 15 call 2: 204.6 / 293.0 us with the amax pass,
-         # against 230.1 / 333.4 for (128, 64, 8)).
+         # tile (rows, gate columns, num_warps). Cast: the best of `benchmarks/fp8_bench.py --parts swiglubwd` on an
+         # H200 at [8192, 2 x 5632] and [16384, 2 x 4096] (204.6 / 293.0 us with the amax pass, against 230.1 / 333.4
+         # for (128, 64, 8)).
          "swiglu_bwd_amax": (8, 64, 8, 2), "swiglu_bwd_cast": (32, 128, 4),
          # norm backward: (elements per loop iteration, programs per SM, num_warps (0: by the row width),
          # software-pipeline stages of the row loop). The sweep's best over 8192x2048, 4096x4096 and 16384x4096
-         # with the fused residual gradient and its amax (fp8_bench --parts reductions, H200, 2026-12-02 session 12
-         # call 2): 56.8 / 87.9 / 269.0 us against 78.4 / 95.4 / 286.2 for (4096, 4, 0, 1), the tile before.
+         # with the fused residual gradient and its amax (`benchmarks/fp8_bench.py --parts reductions`, H200):
+         # 56.8 / 87.9 / 269.0 us against 78.4 / 95.4 / 286.2 for (4096, 4, 0, 1).
          "norm_bwd": (4096, 2, 0, 2)}
 
 

@@ -106,8 +106,8 @@ def encode_partitioned_triton(src, out, shard_size, slice_off, slice_len, ndest,
 
 
 # The reduce-requantize's grid: at most this many blocks per SM (its warps then loop over units). On the H200,
-# 256M elements: 0.107-0.108 ms at 8-32 per SM against 0.113 ms uncapped (2026-12-01 session 5 call 2,
-# benchmarks/results/raw/2026-12-01_h200_s5call2_sdpbench.json). 0 = uncapped.
+# 256M elements: 0.107-0.108 ms at 8-32 per SM against 0.113 ms uncapped (the grid sweep of
+# `benchmarks/sdp4bit_bench.py --out OUT.json`). 0 = uncapped.
 REQUANTIZE_BLOCKS_PER_SM = 16
 
 
@@ -133,8 +133,8 @@ def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out,
                                       ndest, key[0], key[1], max_blocks))
 
 
-# The CUDA reduce-requantize passed tests/test_sdp4bit_cuda_gpu.py and the benchmark's byte-for-byte checks on
-# the H200 (2026-12-01 session 3 call 1: 0.123 ms vs Triton's 0.216 for 256M elements), so training uses it.
+# The CUDA reduce-requantize passed tests/test_sdp4bit_cuda_gpu.py and the byte-for-byte checks of
+# `benchmarks/sdp4bit_bench.py` on an H200 (0.123 ms vs Triton's 0.216 for 256M elements), so training uses it.
 # False sends every call to the Triton kernel (kept: it covers the cases the CUDA kernel does not).
 REQUANTIZE_CUDA_VERIFIED = True
 

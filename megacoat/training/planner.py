@@ -75,13 +75,12 @@ def activation_bytes_per_token_layer(hidden: int, ffn: int, kv_hidden: int, reci
       attention's own backward keeps all four in bf16; flash / SDPA saves no s x s matrix), norm2 input h, norm2
       output h (MLP GEMM input), MLP: gate f + up f + product f (SwiGLU) or pre-activation f + activation f
       (GELU). GEMM inputs (norm outputs, product) are FP8 (1 byte) under tensorwise and coat; coat also keeps
-      norm inputs, gate and up in FP8 with one bf16 scale per 16 values (DESIGN 5.3) and saves the projection's
+      norm inputs, gate and up in FP8 with one bf16 scale per 16 values (COAT's 1x16 groups) and saves the projection's
       input as its own transposed FP8 copy next to the attention's bf16 output (bf16 and tensorwise save that
       one tensor for both). Under TP the attention and MLP parts are split over ranks; the norm / residual parts
       too with sequence parallelism. Coat's terms were checked against what its layer saves (saved-tensor hooks
       on the CPU: within 24 bytes per token, the logsumexp and rstd) and against H200 peaks at 7B micro-batch 2,
-      7 and 8 (session 11: the attention output and the bf16 scales were missing or miscounted before, 0.5-2.4
-      GiB low).
+      7 and 8 (without the attention output, or with the scales miscounted, the estimate is 0.5-2.4 GiB low).
     """
     mlp = 3 * ffn if activation == "swiglu" else 2 * ffn
     fp8 = recipe in ("tensorwise", "coat")
@@ -332,8 +331,8 @@ def peak_estimate(pl: RankPlan, state_format: str, recipe: str) -> int:
     their sum: the end of the forward (every activation, the loss and the first bucket) and the backward of
     the first layers (every gradient bucket and that layer's activations, or a recomputed group's).
 
-    Against the H200's peak allocated memory (sessions 10 and 11, benchmarks/results/2026-12-01_s10_h200.md and
-    2026-12-02_s11_h200.md), estimated vs measured GiB:
+    Against the peak allocated memory of training runs on an H200 (`STAGES=coat1,coat7 bash
+    scripts/gpu_evidence.sh`, C7_MBS for the larger micro-batches), estimated vs measured GiB:
     - 1.36B micro-batch 4, one micro-batch per step: bf16 31.20 vs 31.11, tensorwise 31.71 vs 31.63, coat 29.63
       vs 29.57, coat + FP8 states 22.24 vs 22.19; eight micro-batches: bf16 36.03 vs 36.19, coat 34.46 vs 34.66;
     - 7B, one micro-batch per step: bf16 micro-batch 2 / 5 / 6: 113.46 / 129.72 / 138.00 vs 113.87 / 130.24 /
