@@ -3,8 +3,8 @@
 // Used for the FP8 linear's weight gradient, added into the fp32 main gradient in the GEMM's epilogue
 // (beta = 1): torch._scaled_mm can write an fp32 output (`out=`) but cannot add to one, so without this
 // every micro-batch after a step's first paid an fp32 temporary plus an add pass over the weight gradient
-// (16 bytes per weight element; on the H200 1.8 ms per micro-batch at 1.36B, 11.7 ms at 7B, see
-// benchmarks/results/2026-12-01_s6_h200.md). Megatron + TransformerEngine do the same through TE's
+// (16 bytes per weight element; on the H200 1.8 ms per micro-batch at 1.36B, 11.7 ms at 7B:
+// `benchmarks/fp8_bench.py --parts wgrad`). Megatron + TransformerEngine do the same through TE's
 // GEMM with accumulate=True. With `candidates` > 1 it also times that many of cuBLASLt's algorithms for a
 // problem on its first call and keeps the fastest (the heuristic's first choice is not always the fastest).
 //
@@ -98,7 +98,7 @@ bool is_fp8(const torch::Tensor& t) {
 
 // Whether the cuBLASLt FP8 GEMM takes the problem: the caller runs its fallback where it does not. Checked
 // here rather than in Python: this runs on every micro-batch of every linear, where Python's checks cost
-// more host time than the launch (H200 host profile, 2026-12-01).
+// more host time than the launch (`benchmarks/profile_step.py --host-profile` on the coat recipe, H200).
 bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
            const torch::Tensor& sb) {
   if (!(out.is_cuda() && a.is_cuda() && b.is_cuda() && sa.is_cuda() && sb.is_cuda())) return false;
@@ -115,7 +115,7 @@ bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor
   if (!(sa.scalar_type() == at::kFloat && sb.scalar_type() == at::kFloat && sa.numel() == 1 && sb.numel() == 1)) return false;
   // 16 for out too, not the 4 an fp32 matrix needs: with C/D 4 bytes past a 16-byte boundary (alignment
   // preferences set to 4) cuBLASLt 13 crashed the process on the H200 (a segmentation fault inside the call,
-  // tests/test_fp8_gemm.py offset 1, 2026-12-01).
+  // tests/test_fp8_gemm.py with offset 1).
   return alignment(a.data_ptr()) >= 16 && alignment(b.data_ptr()) >= 16 && alignment(out.data_ptr()) >= 16;
 }
 

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 def _fresh_dynamo():
     """Every test starts with dynamo's caches empty. Tests compile the same layer code (TransformerLayer.forward, ...)
     with their own guards, and dynamo counts recompiles per code object over the whole process: without a reset,
-    the test order decided when its limit (8) was hit, and a fullgraph=True compile then failed (the full suite,
-    2026-12-02: `test_compiled_fp8_layer_fullgraph_equals_eager` after the new fused-RoPE compiled cases)."""
+    the test order decided when its limit (8) was hit, and a fullgraph=True compile then failed (in the full suite,
+    `test_compiled_fp8_layer_fullgraph_equals_eager` after the fused-RoPE compiled cases)."""
     torch._dynamo.reset()
     yield

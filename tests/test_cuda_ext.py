@@ -1,6 +1,5 @@
 """The CUDA extension loader's guard against a build lock left by a killed build (megacoat/kernels/cuda_ext.py):
-torch's JIT build waits for `<build dir>/lock` forever; a killed build leaves it behind (three H200 runs in a row
-hung silently that way, 2026-12-02)."""
+torch's JIT build waits for `<build dir>/lock` forever, silently, and a killed build leaves it behind."""
 import os
 import time
 

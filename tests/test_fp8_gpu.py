@@ -292,7 +292,7 @@ def test_scaled_mm_matches_float64_product(m, k, n, fast_accum):
         got = fp8_gemm(qa, sa, qb, sb, out_dtype, fast_accum=fast_accum, hw=True)
         assert got.dtype == out_dtype
         # Fast accumulation keeps a reduced-precision accumulator (no periodic promotion to fp32): on the
-        # H200 a few elements in 10^5 exceed 2^-9 sum|a||b| by up to 1.3x (run of 2026-11-30), so 4x looser.
+        # H200 a few elements in 10^5 exceed 2^-9 sum|a||b| by up to 1.3x, so 4x looser.
         rel_bound = 2 ** -7 if fast_accum else 2 ** -9
         assert_close(got, exact, rel_bound * bound + out_ulp * exact.abs(), f"_scaled_mm -> {out_dtype}")
         rel = ((got.double() - exact).norm() / exact.norm()).item()
@@ -425,8 +425,8 @@ def test_small_gpt_triton_kernels_match_references(recipe, monkeypatch):
     rel = {n: ((got[n] - exp[n]).norm() / exp[n].norm().clamp_min(1e-30)).item() for n in exp}
     bad = {n: f"{r:.3g}" for n, r in rel.items() if r > 2e-2}
     assert not bad, f"first-step gradients, kernels vs references (relative): {bad}; all: {rel}"
-    # Single steps late in a run at lr 3e-3 are chaotic (see the next test): 0.057 apart at step 18 of 20 on the
-    # H200 (2026-12-02) with the first 10 steps within 0.004. So: the early steps closely, the end as a mean.
+    # Single steps late in a run at lr 3e-3 are chaotic (see the next test): 0.057 apart at step 18 of 20 on an
+    # H200 with the first 10 steps within 0.004. So: the early steps closely, the end as a mean.
     early = max(abs(a - b) for a, b in zip(got_losses[:10], exp_losses[:10]))
     end = abs(sum(got_losses[-5:]) - sum(exp_losses[-5:])) / 5
     assert early < 0.02 and end < 0.05, f"losses, kernels {got_losses} vs references {exp_losses}"
@@ -435,9 +435,9 @@ def test_small_gpt_triton_kernels_match_references(recipe, monkeypatch):
 def test_small_gpt_coat_on_gpu_tracks_fp32():
     """bf16, coat and tensorwise each against an fp32 run of the same model and data. The allowed gap is
     bf16's own gap plus a fixed FP8 margin: on a GPU the bf16 attention/GEMM noise alone moves a
-    20-step run by a few hundredths, so a fixed threshold against bf16 (the first H200 run) tested noise.
+    20-step run by a few hundredths, so a fixed threshold against bf16 would test noise.
     The gap is taken where the runs end (mean of the last 5 losses), not at the worst single step: at
-    lr 3e-3 single steps are chaotic (2026-12-01: coat's worst step was 0.157 off fp32, its last-5 mean
+    lr 3e-3 single steps are chaotic (on an H200 coat's worst step was 0.157 off fp32, its last-5 mean
     0.029; tensorwise 0.083 and 0.015; bf16 0.031 and 0.007), and a rounding change anywhere moves
     them. Kernel bugs are caught by the kernels-vs-references test above, which compares gradients.
     The first step (no update yet) isolates the forward error: a broken quantizer moves it by > 0.05."""

@@ -225,8 +225,8 @@ def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute, rope
     several groups per chunk: the deferred (stream, branch, token) crosses each recomputed group's checkpoint
     and fc2's token must still get its gradient. A dropped token's gradient arrives as zeros in compiled code
     (AOTAutograd materializes it): amax 0 saturated fc2's whole gradient (fc1, fc2 and the second norm's weight
-    gradients ~0 in every such layer, in a first version that added the residual before each recomputed group:
-    the review's repro, 2026-12-02). With the fused RoPE, the QKV linear's token goes through it the same way."""
+    gradients ~0 in every such layer, in a first version that added the residual before each recomputed
+    group). With the fused RoPE, the QKV linear's token goes through it the same way."""
     grads = []
     for compiled in (False, True):
         model = _coat_model(True, recompute=recompute, rope_fusion=rope_fusion)

@@ -10,7 +10,7 @@ Buckets that never became complete (a parameter without gradient) are summed in 
 
 A bucket whose every parameter counts is one flat tensor whose gaps are zero: its norm is one reduction over it.
 The per-parameter path (a multi-tensor norm, a stack, a square and a sum per bucket, 26 times per 1.36B step) was
-host time in a coat step whose GPU waited for the host (H200 lead trace, 2026-12-02).
+host time in a coat step whose GPU waited for the host (`benchmarks/profile_step.py --lead-trace`, H200).
 """
 from __future__ import annotations
 
