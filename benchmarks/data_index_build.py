@@ -75,7 +75,7 @@ def main():
     p.add_argument("--num-tokens", type=int, default=2_000_000_000)
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--epochs", type=int, nargs="+", default=[1, 3])
-    p.add_argument("--output", default="benchmarks/results/data_index_build.md")
+    p.add_argument("--output", default=time.strftime("benchmarks/results/%Y-%m-%d_data-index-build_cpu.md"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

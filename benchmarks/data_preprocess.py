@@ -24,7 +24,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cache", default=None, help="Default-corpus cache (default: a fresh temporary directory).")
-    p.add_argument("--output", default="benchmarks/results/data_preprocess.md")
+    p.add_argument("--output", default=time.strftime("benchmarks/results/%Y-%m-%d_data-preprocess_cpu.md"))
     args = p.parse_args()
 
     from megacoat.data.default_corpus import prepare_default_corpus, stdlib_source_files

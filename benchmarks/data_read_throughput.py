@@ -57,7 +57,7 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--workdir", default="/tmp/megacoat_data_bench")
-    p.add_argument("--output", default="benchmarks/results/data_read_throughput.md")
+    p.add_argument("--output", default=time.strftime("benchmarks/results/%Y-%m-%d_data-read-throughput_cpu.md"))
     args = p.parse_args()
 
     from megacoat.config import parse_args, validate_config

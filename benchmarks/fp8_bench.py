@@ -1,7 +1,7 @@
 """COAT's FP8 training path on one GPU (H200): FP8 kernels, saved-activation bytes, FP8 linear vs bf16,
 one transformer layer per recipe.
 
-    python benchmarks/fp8_bench.py --out benchmarks/results/raw/fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host,swiglubwd]
+    python benchmarks/fp8_bench.py --out fp8_bench.json [--parts kernels,saved,linear,layer,wgrad,gemms,host,swiglubwd]
                                    [--no-sweep] [--no-compile] [--budget-s 160] [--sweep-budget-s 300]
     python benchmarks/fp8_bench.py --out /tmp/tiles.json --parts tiles     # the 1x16 tile sweep alone
 

@@ -25,7 +25,7 @@
              moments captured from a short training run of a small GPT (megacoat's model, fp32
              states) on synthetic Markov-chain tokens (no data set needed; stated in the output).
 
-    python benchmarks/optimizer_bench.py --out benchmarks/results/raw/optimizer_h200.json
+    python benchmarks/optimizer_bench.py --out optimizer_bench.json
 
 Every part is independent: a failure is recorded in the JSON and the others still run.
 """

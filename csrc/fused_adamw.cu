@@ -193,7 +193,7 @@ __device__ __forceinline__ void bf16x4_to_float(uint2 raw, float* x) {
 // One lane's gradients as their raw bits, widened to fp32 where the update uses them. Widening bf16
 // right after the loads (bf16x4_to_float) put the unpack before the aligned/scalar branches rejoin, so a
 // warp waited for its gradients before issuing the per-group loads (two memory waits in a row; static SASS,
-// benchmarks/results/2026-12-01_s6_fused_adamw_bf16_grad_sass.md). The same bits either way.
+// benchmarks/results/2026-12-01_fused-adamw-bf16-grad-sass_cpu.md). The same bits either way.
 template <typename G, int N> struct GradBits;
 template <int N> struct GradBits<float, N> {
   using Vec = uint4;  // one run's 4 gradients as loaded

@@ -352,7 +352,7 @@ def _format_code(ms: MomentState) -> int:
 # a variant that equals the reference bit for bit (session 3: fp32 2.062 ms (2) vs 2.089 (0); bf16 1.529
 # (0); powf form 5.444 (2) vs 6.895). The two FP8 formats run variant 6 (4's approximate update, its loads
 # pipelined through shared memory): against 4 in the same calls (2026-12-02 session 11,
-# benchmarks/results/raw/2026-12-02_h200_s11call{1,2}_*): absmax 1.390 / 1.627 ms vs 1.470 / 1.685; exp2
+# benchmarks/results/2026-12-02_fp8-adamw-7b-max-batch_h200): absmax 1.390 / 1.627 ms vs 1.470 / 1.685; exp2
 # expansion (the default) 1.848 vs 1.935 ms with fp32 gradients, 1.663 vs 1.662 with bf16; Nsight Compute
 # 1.49 vs 1.53 ms. Before, variant 4 had beaten the fastest exact ones by 7-10% (session 10).
 FASTEST_VARIANT = {0: 2, 1: 0, 2: 6, 3: 2, 4: 6}
