@@ -1,22 +1,22 @@
 #!/bin/bash
-# GPU evidence on one H200, in stages (STAGES=a,b,...), within a time budget (BUDGET seconds):
+# GPU tests and benchmarks on one H200, in stages (STAGES=a,b,...), within a time budget (BUDGET seconds):
 #   build     compile the optional CUDA extensions (fused AdamW, SDP4Bit encode, FP8 wgrad; in parallel) once, before anything uses them
 #   gputests  every test marked gpu (kernels vs references, bit-exact where meaningful)
 #   wgrad     the fused weight-gradient GEMM (fp32 epilogue) vs mm + add
 #   optncu    Nsight Compute sections of the fused AdamW kernel, one launch per NCU_CASES entry (case:variant; after build)
 #   fp8bench / sdpbench / optbench / refreshbench / cebench / ropebench   the COAT FP8, SDP4Bit, FP8-optimizer, FP8 weight-refresh, fused cross-entropy and fused RoPE benchmarks (JSON; FP8_ARGS, OPT_ARGS, CE_ARGS, ROPE_ARGS)
-#   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer (issue 9)
+#   big / small / eager / mem / profile / before   bf16 substrate vs the plain-PyTorch peer
 #   prof      1.36B steps profiled (PROF_RUNS: bf16 and/or FP8 recipes; PROFILE_ARGS, PROFILE_STEPS), whole tables
 #   profile_fp8   the 1.36B FP8 step profiled (PROFILE_RECIPE, default tensorwise): kernels, GPU busy vs wall
-#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (issue 10; coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
+#   coat1 / coat7   1.36B and 7B: bf16 vs tensorwise vs coat, torchao float8 peer (coat1's runs: C1_RUNS, their names suffixed with C1_TAG;
 #                   bf16_cudagraphs / coat_cudagraphs: with TORCHINDUCTOR_CUDAGRAPHS=1, coat_castperuse: --fp8-weight-cache none,
 #                   bf16_eagerce / coat_eagerce: --no-cross-entropy-loss-fusion, coat_heuristic: --fp8-gemm-candidates 1,
 #                   only when named); coat7 also
 #             coat + FP8 optimizer states and larger micro-batches (C7_MBS, default 4) for bf16 and coat
 #   states125 ~125M model, 1000 steps on the default corpus: fp32 vs fp8 optimizer states with and without
-#             expansion (issue 11), final training and validation loss
-#   gradmem   7B micro-batch 1: fp32 vs bf16 gradient buffers (issue 9: the bytes/param bf16 gradients save)
-#   states    1.36B: fp32 vs fp8 optimizer states (issue 11)
+#             expansion, final training and validation loss
+#   gradmem   7B micro-batch 1: fp32 vs bf16 gradient buffers (the bytes/param bf16 gradients save)
+#   states    1.36B: fp32 vs fp8 optimizer states
 #   snaps     one step's full gradients (benchmarks/grad_snapshot.py, 1.36B shape, 2 layers): TP=1 compiled vs
 #             eager, and TP=2 as two processes on this one GPU over gloo, compiled and eager
 # Training runs log every LOG_INTERVAL iterations (default 5). Each log line syncs the host with the GPU, and the step
@@ -29,12 +29,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache   # later runs of the same shapes reuse compiled graphs
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; J=$OUT/results.jsonl
 SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
-export TORCH_EXTENSIONS_DIR=$HERE/.ext   # a carried .ext from an earlier call skips the 75 s build
+export TORCH_EXTENSIONS_DIR=$HERE/.ext   # an .ext kept from an earlier run (see stage build) skips the 75 s build
 STAGES=${STAGES:-wgrad,small,big,mem,profile,eager}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 LOG=$OUT/log.txt
 T0=$(date +%s); el() { echo "(t=$(( $(date +%s) - T0 )) s)"; }
-BUDGET=${BUDGET:-560}  # seconds: stages that would start later are skipped (the device call is limited)
+BUDGET=${BUDGET:-560}  # seconds: stages that would start later are skipped (bounds the run's wall time)
 late() { if [ $(( $(date +%s) - T0 )) -gt $BUDGET ]; then echo "-- skipped $1 (budget)" | tee -a $LOG; return 0; fi; return 1; }
 M1="--num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 4 --global-batch-size 4"
 M7="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --micro-batch-size 2 --global-batch-size 2"
@@ -59,7 +59,7 @@ open('$J', 'a').write(json.dumps(r) + '\\n')" 2>/dev/null | tee -a $LOG; }
 peer() { name=$1; shift; late $name && return; echo "== peer $name $(el)" | tee -a $LOG
   timeout ${TMO:-200} python3 benchmarks/peer_plain_llama.py "$@" --json /tmp/p.jsonl 2>&1 | tail -1 | tee -a $LOG
   tail -1 /tmp/p.jsonl | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['run']='peer $name'; print(json.dumps(r))" >> $J 2>/dev/null; }
-setup_torchao() {  # the newest carried torchao whose float8 imports with this torch, into /tmp/site (once)
+setup_torchao() {  # the newest torchao wheel under .whl/ whose float8 imports with this torch, into /tmp/site (once)
   [ -f /tmp/site/.ok ] && return 0
   for v in 0.17.0 0.16.0; do
     [ -d "$HERE/.whl/torchao$v" ] || continue
@@ -71,14 +71,14 @@ setup_torchao() {  # the newest carried torchao whose float8 imports with this t
 { date -u; cat COMMIT 2>/dev/null; git -C "$HERE" log -1 --oneline 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee $LOG
-# Carried builds (.ext) whose sources changed are removed first. Exports get an old fixed mtime (so that an
+# Kept builds (.ext) whose sources changed are removed first. Exports get an old fixed mtime (so that an
 # unchanged source is not rebuilt in every new export), and then ninja alone would keep a stale build of a
-# changed one: torch's source hash only bumps the version inside one process (2026-12-01: two calls ran
-# stale extensions that way). The stamp is the sources' sha256, written after each build.
+# changed one: torch's source hash only bumps the version inside one process (a later run would load
+# the stale extension). The stamp is the sources' sha256, written after each build.
 for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
   d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; sum=$(sha256sum "csrc/${ext#*:}" | cut -c1-64)
   if [ -d "$d" ] && [ "$(cat "$d/.megacoat_src_sha" 2>/dev/null)" != "$sum" ]; then
-    echo "-- ${ext%%:*}: carried build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
+    echo "-- ${ext%%:*}: kept build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
 done
 stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
   d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; [ -d "$d" ] && sha256sum "csrc/${ext#*:}" | cut -c1-64 > "$d/.megacoat_src_sha"; done; }
@@ -90,7 +90,7 @@ if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.kernels.sdp4bit import cuda_extension as f; print('sdp4bit encode extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG
   wait $pid $pid2
   stamp_builds
-  tar -C "$HERE" -czf "$OUT/ext.tgz" .ext   # one file (few files come back): unpack as .ext, the next call skips the build
+  tar -C "$HERE" -czf "$OUT/ext.tgz" .ext   # the builds as one archive: unpacked as .ext, a later run skips the build
 fi
 if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $LOG
   S="$C --num-layers 2 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 2"
@@ -106,8 +106,8 @@ if has snaps && ! late snaps; then echo "== gradient snapshots $(el)" | tee -a $
   done
 fi
 if has gputests && ! late gputests; then echo "== GPU tests $(el)" | tee -a $LOG
-  # -v: one line per test as it finishes, so a stage cut by TEST_TMO still names what passed and what failed (2026-12-02:
-  # a cut -q run showed four bare F). Compiled tests can take over a minute on a cold Inductor cache: PER_TEST_TMO 150.
+  # -v: one line per test as it finishes, so a stage cut by TEST_TMO still names what passed and what failed (a cut -q
+  # run shows only bare F's). Compiled tests can take over a minute on a cold Inductor cache: PER_TEST_TMO 150.
   timeout ${TEST_TMO:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout ${PER_TEST_TMO:-150} -k "not nccl" ${GPU_TESTS:-tests/} > $OUT/gputests.txt 2>&1
   grep -E "^=.*(passed|failed)|^FAILED|^ERROR" $OUT/gputests.txt | cut -c1-300 | tail -60 | tee -a $LOG
 fi
@@ -172,7 +172,7 @@ if has coat1; then
   c1 bf16 && mc c1_bf16${C1_TAG:-} ${C1_ITERS:-20} $M1
   c1 tensorwise && mc c1_tensorwise${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe tensorwise
   c1 coat && mc c1_coat${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat
-  # without the fused RoPE kernels (--no-rope-fusion; on by default on CUDA since 2026-12-02; only when named)
+  # without the fused RoPE kernels (--no-rope-fusion; on by default on CUDA; only when named)
   c1 bf16_norope && mc c1_bf16_norope${C1_TAG:-} ${C1_ITERS:-20} $M1 --no-rope-fusion
   c1 coat_norope && mc c1_coat_norope${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --no-rope-fusion
   # Inductor's combo kernels (independent small kernels of a graph launched as one; only when named)

@@ -1,7 +1,7 @@
 #!/bin/bash
-# One device call: GPU tests, the default main job on GPU, and the 1.36B bf16 benchmark
+# GPU tests, the default main job on GPU, and the 1.36B bf16 benchmark
 # (megacoat compiled / eager, and the plain-PyTorch peer measured side by side).
-# Usage on the device machine: bash scripts/gpu_foundation.sh  (writes under $OUT)
+# Usage on a GPU host: bash scripts/gpu_foundation.sh  (writes under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Multi-GPU evidence (issue 15) on nvidia-h200-x4, in stages (STAGES=a,b,...), within BUDGET seconds.
+# Multi-GPU tests and benchmarks on a 4-GPU H200 host (some stages also on 2), in stages (STAGES=a,b,...), within BUDGET seconds.
 #   retest   chosen GPU tests (RETESTS) with full tracebacks on GPU RETEST_GPU (1), in the background
 #   build    the CUDA extensions (tableb builds them itself, in its timing lane)
 #   tests4   the 4-GPU NCCL tests (SDP4Bit as 2 nodes x 2, ZeRO, TP)
@@ -12,7 +12,7 @@
 #            a one-GPU run with the same per-GPU work (the compute-only reference for exposed
 #            communication). With 4 GPUs, lane B on GPUs 2,3 runs stages tests (every gpu-marked test),
 #            sdpbench, the same four configurations for 100 steps with validation (NVLink), optbench, fp8bench
-#   corpus   a larger code corpus (the device's site-packages) for conv and loss200, in the background
+#   corpus   a larger code corpus (the host's site-packages) for conv and loss200, in the background
 #   tp       TP=2 with SP on every GPU (x DP=2 on four): bf16 vs COAT + FP8 optimizer states
 #            (tp_tensorwise adds FP8 tensorwise)
 #   tpdiag   TP=2, micro-batch 1: peak memory compiled vs eager, ZeRO vs not, COAT + FP8 states
@@ -36,11 +36,11 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache OMP_NUM_THREADS=4
-# Few files come back from the device: per-run logs and JSON go to $X and are packed into one archive at the end.
+# Per-run logs and JSON go to $X and are packed into one archive at the end ($OUT stays a few files).
 OUT=${OUT:-/tmp/out}; X=$OUT/x; mkdir -p "$X/runs" /tmp/logs; R=$X/runs; LOG=$OUT/log.txt
 SRC=${SRC:-.}; HERE=$PWD; cd "$SRC"; export PYTHONPATH=$PWD
-export TORCH_EXTENSIONS_DIR=$HERE/.ext   # a carried .ext from an earlier call skips the 75 s build
-if [ -d "$HERE/.whl/megatron-core" ]; then  # carried wheel: the megatron-core logits test
+export TORCH_EXTENSIONS_DIR=$HERE/.ext   # an .ext kept from an earlier run skips the 75 s build
+if [ -d "$HERE/.whl/megatron-core" ]; then  # a megatron-core wheel under .whl/: the megatron-core logits test
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $HERE/.whl/megatron-core/*.whl 2>&1 | tail -1
   export PYTHONPATH=$PWD:/tmp/site; fi
 STAGES=${STAGES:-tests,sdpbench,tableb,optbench,fp8bench}

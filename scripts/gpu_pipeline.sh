@@ -1,12 +1,12 @@
 #!/bin/bash
-# Pipeline-parallel evidence on 2 GPUs (nvidia-h200-x2), < 6 minutes:
+# Pipeline-parallel tests and benchmark on 2 GPUs (2 x H200), < 6 minutes:
 #   1. NCCL correctness: tests/test_pipeline.py -k nccl (PP=2 1F1B and interleaved = one process:
 #      losses, gradients, weights, tied embeddings, 1F1B memory bound).
-#   2. The 1.36B model (DESIGN/ZeRO benchmark flags) on one GPU (PP=1, baseline and loss reference),
+#   2. The 1.36B model (scripts/gpu_zero.sh's flags) on one GPU (PP=1, baseline and loss reference),
 #      then PP=2 with m = 2, 4, 8 micro-batches (1F1B) and m = 8 interleaved (2 chunks per GPU):
 #      tokens/s and, per stage, the measured bubble (1 - forward/backward compute time from CUDA
 #      events / wall time of the schedule, --log-pipeline-bubble) next to (pp-1)/(vp*m+pp-1).
-# Usage on the device machine: bash scripts/gpu_pipeline.sh   (writes under $OUT)
+# Usage on a 2-GPU host: bash scripts/gpu_pipeline.sh   (writes under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD

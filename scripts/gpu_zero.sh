@@ -1,7 +1,8 @@
 #!/bin/bash
-# ZeRO evidence on 2 GPUs: NCCL correctness tests, model-state memory at DP=2 for the 1.36B
-# model, and step time with overlap off/on at three link settings (DESIGN.md section 8).
-# Usage on the device machine (nvidia-h200-x2): bash scripts/gpu_zero.sh   (writes under $OUT)
+# ZeRO tests and benchmark on 2 GPUs: NCCL correctness tests, model-state memory at DP=2 for the 1.36B
+# model, and step time with overlap off/on at three link settings (NVLink;
+# NCCL_P2P_DISABLE=1, PCIe class; sockets over loopback, Ethernet class).
+# Usage on a 2-GPU host (2 x H200): bash scripts/gpu_zero.sh   (writes under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD
