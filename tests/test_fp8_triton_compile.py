@@ -99,7 +99,7 @@ for qty, fmax in ((f8, 448.0), (f8e5, 57344.0)):
         k = comp(Q.dequantize_1x16_kernel, dsig, dict(BM=bm, BG=bg, SPLIT=split), w, True)
         check_1x16(k, f"dequantize_1x16 {bm, bg, w, split}", bm, bg, w, split, in_fp8=1, out_bf16=1)
 # the weight refresh's multi-tensor kernels: with ALIGNED (model weights) the same 16-byte loads and stores as
-# the one-tensor kernels (the first H200 run, without the hint, loaded 2 bytes and stored 1 at a time: 2.7x slower)
+# the one-tensor kernels (without the hint they load 2 bytes and store 1 at a time: 2.7x slower on an H200)
 import triton.language as tl  # noqa: E402
 msig = dict(x_table="*i64", q_table="*i64", qt_table="*i64", scale_table="*i64", m_table="*i32", k_table="*i32",
             prog_tensor="*i32", prog_tile="*i32", amax_ptr=f32)

@@ -219,7 +219,7 @@ def multi_cast_kernel(x_table, q_table, qt_table, scale_table, m_table, k_table,
     """`cast_kernel` (both layouts) of contiguous 2-D tensor prog_tensor[p], tile prog_tile[p] (row-major
     over its BM x BK tiles), scale from amax[t]; the tensor's first tile stores its scale. ALIGNED: every
     address is 16-byte aligned and every dim a multiple of 16 (without it the accesses are not vectorized:
-    the first H200 run took 3.8 ms for the 1.36B model's weights, ~2.7x a copy's time)."""
+    on an H200 that took 3.8 ms for the 1.36B model's weights, ~2.7x a copy's time)."""
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     tile = tl.load(prog_tile + pid)
