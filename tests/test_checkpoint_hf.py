@@ -82,6 +82,30 @@ def test_hf_to_megacoat_and_back(tmp_path, make):
     _assert_logits_close(_hf_logits(back, _tokens()), want)
 
 
+def test_existing_targets_need_force(tmp_path, capsys):
+    """A directory that holds a model or checkpoint is refused without --force; forced, an old sharded
+    model's index and shards go, so Hugging Face loads the new weights."""
+    hf = llama()
+    hf.save_pretrained(tmp_path / "hf")
+    mc, out = str(tmp_path / "mc"), tmp_path / "out"
+    to_megacoat = ["--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                   "--save-dir", mc]
+    assert convert(*to_megacoat) == 0
+    assert convert(*to_megacoat) == 2 and "--force" in capsys.readouterr().err
+    assert convert(*to_megacoat, "--force") == 0  # the same iteration (0): replaced
+    gpt2().save_pretrained(out, max_shard_size="100KB")  # another model, sharded: index + shards
+    assert (out / "model.safetensors.index.json").exists()
+    capsys.readouterr()
+    to_hf = ["--load-format", "megacoat", "--load-dir", mc, "--save-format", "hf", "--save-dir", str(out)]
+    assert convert(*to_hf) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(out) in err and "--force" in err and "config.json" in err
+    assert convert(*to_hf, "--force") == 0
+    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    _assert_logits_close(_hf_logits(back, _tokens()), _hf_logits(hf, _tokens()))
+
+
 def test_megacoat_trained_checkpoint_to_hf(tmp_path):
     from test_checkpoint_resume import train
     save = str(tmp_path / "ckpt")

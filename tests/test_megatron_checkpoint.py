@@ -322,6 +322,9 @@ def test_torch_dist_written_by_megatron_core(mcore_env, tmp_path):
     (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("40")
     out = megatron_to_megacoat(str(tmp_path / "mlm"), str(tmp_path / "mc"), log=lambda s: None)
     assert_matches(out, sd, LLAMA)
+    from megacoat.checkpoint.reader import CheckpointReader  # torch_dist keys use TE names: the spec is the args'
+    assert CheckpointReader(out).meta["extra"]["source"] == {"megatron_format": "torch_dist",
+                                                             "megatron_transformer_impl": "local"}
     tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(megacoat.load_model(out)(tokens), mcore_logits(model, tokens)[..., :VOCAB],
                                rtol=1e-5, atol=1e-5)
@@ -406,6 +409,16 @@ def test_untrusted_pickles_never_run_code(tmp_path):
     assert victim.is_dir()
 
 
+def convert_tool():
+    """tools/checkpoint/convert.py as a module (its `main(argv)` returns the exit code)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                          "checkpoint", "convert.py"))
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    return convert
+
+
 def test_convert_cli_and_tokenizer_copy(mcore_env, tmp_path):
     """convert.py both ways with a HuggingFace tokenizer directory named on the command line."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -423,11 +436,7 @@ def test_convert_cli_and_tokenizer_copy(mcore_env, tmp_path):
     src = save_torch_format(str(tmp_path / "mlm"), megatron_split(weights(model), 1, 1, 2, True, False),
                             megatron_args(LLAMA, model, 1, 1, tokenizer_type="HuggingFaceTokenizer",
                                           tokenizer_model="/nonexistent/tokenizer"))
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("convert", os.path.join(os.path.dirname(__file__), "..", "tools",
-                                                                          "checkpoint", "convert.py"))
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
+    convert = convert_tool()
     assert convert.main(["--load-format", "megatron", "--load-dir", src, "--save-format", "megacoat", "--save-dir",
                          str(tmp_path / "mc"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                          str(tok_dir)]) == 0
@@ -472,3 +481,99 @@ def test_resume_training_from_converted_checkpoint(mcore_env, tmp_path):
     trainer.train(on_step=lambda t, rec: steps.append(t.state.iteration))
     assert steps == [31, 32]
     assert trainer.state.consumed_samples == 120 + 2 * 4
+
+
+def _layer_names(path: str) -> set:
+    state = load_torch_file(os.path.join(path, "mp_rank_00", "model_optim_rng.pt"))
+    return {k for k in state["model"] if not k.endswith("_extra_state")}, state["args"].transformer_impl
+
+
+@pytest.mark.parametrize("te_names", [False, True], ids=["local", "transformer_engine"])
+def test_megatron_round_trip_keeps_the_layer_spec(mcore_env, tmp_path, capsys, te_names):
+    """Megatron -> megacoat -> Megatron writes the parameter names of the spec it came with (no flag
+    needed), says which spec it wrote, and --megatron-transformer-impl still overrides it."""
+    spec, other = ("transformer_engine", "local") if te_names else ("local", "transformer_engine")
+    model = build_mcore(LLAMA, num_layers=2)
+    sd = weights(model)
+    src = save_torch_format(str(tmp_path / "mlm"), megatron_split(sd, 1, 1, 2, True, False, te_names),
+                            megatron_args(LLAMA, model, 1, 1, transformer_impl=spec))
+    convert, mc = convert_tool(), str(tmp_path / "mc")
+    assert convert.main(["--load-format", "megatron", "--load-dir", src, "--save-format", "megacoat",
+                         "--save-dir", mc]) == 0
+    assert convert.main(["--load-format", "megacoat", "--load-dir", mc, "--save-format", "megatron",
+                         "--save-dir", str(tmp_path / "back")]) == 0
+    assert f"{spec} layer spec (recorded when the checkpoint was imported)" in capsys.readouterr().out
+    names, impl = _layer_names(str(tmp_path / "back" / "release"))
+    assert names == set(megatron_split(sd, 1, 1, 2, True, False, te_names)[(0, 0)]) and impl == spec
+    assert convert.main(["--load-format", "megacoat", "--load-dir", mc, "--save-format", "megatron",
+                         "--save-dir", str(tmp_path / "other"), "--megatron-transformer-impl", other]) == 0
+    assert f"{other} layer spec (asked for)" in capsys.readouterr().out
+    names, impl = _layer_names(str(tmp_path / "other" / "release"))
+    assert names == set(megatron_split(sd, 1, 1, 2, True, False, not te_names)[(0, 0)]) and impl == other
+    # A resharded copy keeps the record; a checkpoint of unknown origin gets Megatron's default, and says so.
+    assert convert.main(["--load-format", "megacoat", "--load-dir", mc, "--save-format", "megacoat",
+                         "--save-dir", str(tmp_path / "mc2"), "--target-tensor-parallel-size", "2"]) == 0
+    assert convert.main(["--load-format", "megacoat", "--load-dir", str(tmp_path / "mc2"), "--save-format",
+                         "megatron", "--save-dir", str(tmp_path / "back2")]) == 0
+    assert _layer_names(str(tmp_path / "back2" / "release"))[1] == spec
+    from megacoat.checkpoint.reader import CheckpointReader
+    from megacoat.checkpoint.format import METADATA_FILE, write_json_atomic
+    it = os.path.join(mc, "iter_0000000")
+    meta = CheckpointReader(it).meta
+    del meta["extra"]["source"]
+    write_json_atomic(os.path.join(it, METADATA_FILE), meta)
+    capsys.readouterr()
+    assert convert.main(["--load-format", "megacoat", "--load-dir", mc, "--save-format", "megatron",
+                         "--save-dir", str(tmp_path / "unknown")]) == 0
+    assert "transformer_engine layer spec (Megatron's default" in capsys.readouterr().out
+    assert _layer_names(str(tmp_path / "unknown" / "release"))[1] == "transformer_engine"
+
+
+def _tracker(path) -> str:
+    return open(os.path.join(path, "latest_checkpointed_iteration.txt")).read().strip()
+
+
+def test_convert_refuses_a_live_save_dir_and_never_rewinds_it(mcore_env, tmp_path, capsys):
+    """A --save-dir holding a run at iteration 4 is refused without --force (one line naming the
+    directory and the flag); with --force an older iteration is still refused (the tracker would move
+    back and the next --load rewind the run), a newer one is written."""
+    model = build_mcore(LLAMA, num_layers=2)
+    shards = megatron_split(weights(model), 1, 1, 2, True, False)
+    args = megatron_args(LLAMA, model, 1, 1)
+    src = {it: save_torch_format(str(tmp_path / f"mlm{it}"), shards, args, iteration=it) for it in (4, 250)}
+    convert, live = convert_tool(), str(tmp_path / "live")
+    assert convert.main(["--load-format", "megatron", "--load-dir", src[4], "--save-format", "megacoat",
+                         "--save-dir", live, "--carry-iteration"]) == 0
+    assert _tracker(live) == "4"
+    capsys.readouterr()
+    into_live = ["--load-format", "megatron", "--load-dir", src[4], "--save-format", "megacoat", "--save-dir", live]
+    assert convert.main(into_live) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and live in err and "--force" in err
+    assert convert.main(into_live + ["--force"]) == 2
+    err = capsys.readouterr().err
+    assert "iteration 4" in err and "iteration 0" in err and live in err
+    assert convert.main(["--load-format", "megacoat", "--load-dir", live, "--save-format", "megacoat",
+                         "--save-dir", live, "--force"]) == 2  # in place at iteration 0
+    assert _tracker(live) == "4" and sorted(os.listdir(live)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    # Forced into a directory whose run is older: written, the tracker moves forward, the old run stays.
+    assert convert.main(["--load-format", "megatron", "--load-dir", src[250], "--save-format", "megacoat",
+                         "--save-dir", live, "--carry-iteration", "--force"]) == 0
+    assert _tracker(live) == "250" and os.path.isdir(os.path.join(live, "iter_0000004"))
+    assert megacoat.load_model(live) is not None
+    # Without its tracker the directory still holds iteration 250: writing 4 would rewind it.
+    os.remove(os.path.join(live, "latest_checkpointed_iteration.txt"))
+    assert convert.main(["--load-format", "megatron", "--load-dir", src[4], "--save-format", "megacoat",
+                         "--save-dir", live, "--carry-iteration", "--force"]) == 2
+    assert "iteration 250" in capsys.readouterr().err
+    assert sorted(os.listdir(live)) == ["iter_0000004", "iter_0000250"]
+    # Megatron output: the same rules (a `release` checkpoint counts as iteration 0).
+    out = str(tmp_path / "mlm_out")
+    to_megatron = ["--load-format", "megacoat", "--load-dir", os.path.join(live, "iter_0000250"), "--save-format",
+                   "megatron", "--save-dir", out]
+    assert convert.main(to_megatron + ["--carry-iteration"]) == 0 and _tracker(out) == "250"
+    assert convert.main(to_megatron) == 2 and "--force" in capsys.readouterr().err
+    assert convert.main(to_megatron + ["--force"]) == 2 and "iteration 250" in capsys.readouterr().err
+    assert _tracker(out) == "250" and not os.path.exists(os.path.join(out, "release"))
+    assert convert.main(to_megatron + ["--carry-iteration", "--force", "--target-tensor-parallel-size", "2"]) == 0
+    assert sorted(os.listdir(os.path.join(out, "iter_0000250"))) == ["mp_rank_00", "mp_rank_01"]

@@ -51,7 +51,7 @@ def check_checkpoint_target(save_dir: str, iteration: Optional[int], force: bool
     if not held:
         return
     if not force:
-        raise CheckpointError(f"{save_dir} already holds a checkpoint ({', '.join(held[:3])}); choose a new "
+        raise CheckpointError(f"{save_dir} already holds a checkpoint ({_listing(held)}); choose a new "
                               "--save-dir, or pass --force to write into it")
     newest = newest_iteration(save_dir)
     if iteration is not None and newest is not None and newest > iteration:
@@ -66,11 +66,16 @@ def check_hf_target(save_dir: str, force: bool) -> List[str]:
     if not os.path.isdir(save_dir):
         return []
     weights = sorted(n for n in os.listdir(save_dir) if HF_WEIGHT_FILE.match(n))
-    held = weights + ([HF_CONFIG_FILE] if os.path.isfile(os.path.join(save_dir, HF_CONFIG_FILE)) else [])
+    held = ([HF_CONFIG_FILE] if os.path.isfile(os.path.join(save_dir, HF_CONFIG_FILE)) else []) + weights
     if held and not force:
-        raise CheckpointError(f"{save_dir} already holds a Hugging Face model ({', '.join(held[:3])}); choose a "
-                              "new --save-dir, or pass --force to replace it")
+        raise CheckpointError(f"{save_dir} already holds a Hugging Face model ({_listing(held)}); choose a new "
+                              "--save-dir, or pass --force to replace it")
     return weights
+
+
+def _listing(names: List[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def check_target_pp(pp: int, num_layers: int) -> None:
