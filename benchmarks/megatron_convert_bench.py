@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Megatron-LM <-> megacoat conversion: speed, bytes, exactness, and logits vs megatron-core.
 
-    python benchmarks/megatron_convert_bench.py --out benchmarks/results/megatron_convert.json
+    python benchmarks/megatron_convert_bench.py --out megatron_convert.json
     python benchmarks/megatron_convert_bench.py --smoke --out /tmp/m.json      # CPU check of the script
 
 Parts (each runs on its own; a failure is recorded in the JSON and the others go on):

@@ -8,7 +8,7 @@ a few steps run, and we record: mean step time (CUDA events), tokens/s, model-st
 set-up, peak memory of the steps, the activation peak (peak - model state) and the planner's
 activation estimate for that pair, and the planner's model-state bytes vs the ones allocated.
 
-    python benchmarks/operations_bench.py --out benchmarks/results/operations_h200.json
+    python benchmarks/operations_bench.py --out operations.json
     python benchmarks/operations_bench.py --out /tmp/ops.json --smoke      # tiny shapes (CPU ok)
 Each configuration is isolated: a failure is recorded and the next one runs.
 """

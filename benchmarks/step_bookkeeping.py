@@ -2,7 +2,7 @@
 device-side sums and the skipped/NaN counters (which replaced per-step records kept for the whole
 run) must not make the host wait for the device, and must cost next to nothing per step.
 
-    python benchmarks/step_bookkeeping.py --out benchmarks/results/step_bookkeeping.json
+    python benchmarks/step_bookkeeping.py --out step_bookkeeping.json
 
 Parts (each runs even if another fails; errors are recorded):
 - `bookkeeping_us`: host time per step of `IterationLogger.record_step` + `TrainState.count_step`,
