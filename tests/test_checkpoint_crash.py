@@ -72,7 +72,7 @@ def test_killed_during_save_keeps_previous_checkpoint(tmp_path, point):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "loaded checkpoint" in r.stdout and "iter_0000002" in r.stdout
-    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000001", "iter_0000002", "iter_0000003",
                                         "latest_checkpointed_iteration.txt"]  # no partial directory left
 
 
@@ -87,15 +87,15 @@ def _tracker_version(save):
 
 def test_sigkill_at_random_moments(tmp_path):
     """A real kill at arbitrary times while a larger model saves every iteration. Each kill lands
-    after the run being killed has itself completed a save (the second run starts from scratch, so
-    it re-saves iterations that exist: the directory swap is killed too)."""
+    after the run being killed has itself completed a save (the second run rewinds to iteration 1,
+    so it re-saves iterations that exist: the directory swap is killed too)."""
     save = str(tmp_path / "ckpt")
     args = ARGS + ["--hidden-size", "256", "--num-layers", "4", "--train-iters", "1000", "--save", save,
                    "--save-interval", "1", "--log-interval", "1000"]
-    for delay in (0.6, 1.3):
+    for delay, rewind in ((0.6, []), (1.3, ["--load", os.path.join(save, "iter_0000001")])):
         before = _tracker_version(save)
-        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + args, env=_env(), cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + args + rewind, env=_env(),
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 90
         while _tracker_version(save) in (None, before) and time.time() < deadline:  # this run's first save
             time.sleep(0.05)

@@ -10,7 +10,7 @@ import torch
 import megacoat.checkpoint.format as fmt
 import megacoat.checkpoint.writer as writer
 from megacoat.checkpoint import CheckpointError, CheckpointReader, resolve_checkpoint_dir
-from megacoat.checkpoint.checkpointer import _copy_tokenizer
+from megacoat.checkpoint.checkpointer import copy_tokenizer
 from megacoat.config import parse_args
 from megacoat.training.trainer import Trainer
 from test_cli import TINY
@@ -18,9 +18,13 @@ from test_cli import TINY
 COMMON = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0", "--train-iters", "2"]
 
 
-def train_and_save(save, seed):
-    """Two iterations from scratch, saved at iteration 2 (an existing iter_0000002 is re-saved)."""
-    t = Trainer(parse_args(COMMON + ["--save", save, "--seed", str(seed)]), log_stream=open(os.devnull, "w"))
+def train_and_save(save, lr):
+    """The first call trains two iterations, saving both. Later calls rewind the run to iteration 1
+    (`--load <save>/iter_0000001`, as after a loss spike) and retrain iteration 2 with another --lr:
+    the existing iter_0000002 is re-saved with other weights while the tracker names it."""
+    rewind = ["--load", os.path.join(save, "iter_0000001")] if os.path.isdir(save) else []
+    t = Trainer(parse_args(COMMON + ["--save", save, "--save-interval", "1", "--lr", str(lr)] + rewind),
+                log_stream=open(os.devnull, "w"))
     t.train()
     return t
 
@@ -42,28 +46,30 @@ class Crash(Exception):
 
 def test_resave_replaces_the_iteration(tmp_path):
     save = str(tmp_path / "ckpt")
-    train_and_save(save, 1)
+    train_and_save(save, 1e-3)
     first = saved_weight(save)
-    train_and_save(save, 2)
-    assert not torch.equal(first, saved_weight(save))  # the new run's weights
-    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    train_and_save(save, 2e-3)
+    assert not torch.equal(first, saved_weight(save))  # the rewound run's weights
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000001", "iter_0000002",
+                                        "latest_checkpointed_iteration.txt"]
 
 
 @pytest.fixture(scope="module")
-def weights_of_seed_2(tmp_path_factory):
-    save = str(tmp_path_factory.mktemp("seed2") / "ckpt")
-    train_and_save(save, 2)
+def weights_of_the_resave(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("resave") / "ckpt")
+    train_and_save(save, 1e-3)
+    train_and_save(save, 2e-3)
     return saved_weight(save)
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["atomic-exchange", "no-exchange-fallback"])
 @pytest.mark.parametrize("fail_at", range(4))
 def test_failure_during_resave_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, exchange, fail_at,
-                                                             weights_of_seed_2):
+                                                             weights_of_the_resave):
     """Fail at the n-th file-system step of publishing a re-save (after its files are complete):
     exchange + removal of the old copy, or, without an atomic exchange, the rename sequence."""
     save = str(tmp_path / "ckpt")
-    train_and_save(save, 1)
+    train_and_save(save, 1e-3)
     old = saved_weight(save)
     state = {"armed": False, "n": 0, "failed_at": None}
     real_rename, real_rmtree, real_exchange = os.rename, shutil.rmtree, fmt.exchange_paths
@@ -87,19 +93,20 @@ def test_failure_during_resave_leaves_a_loadable_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(os, "rename", lambda a, b: step("rename", real_rename, a, b))
     monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: step("rmtree", real_rmtree, path, *a, **k))
     try:
-        train_and_save(save, 2)
+        train_and_save(save, 2e-3)
     except CheckpointError as e:
         assert "injected failure" in str(e)
     monkeypatch.undo()
     expected_failure = fail_at < (2 if exchange else 4)
     assert (state["failed_at"] is not None) == expected_failure, state
     got = saved_weight(save)  # loadable, whatever happened ...
-    assert torch.equal(got, old) or torch.equal(got, weights_of_seed_2)  # ... and one of the two saves
+    assert torch.equal(got, old) or torch.equal(got, weights_of_the_resave)  # ... and one of the two saves
     if not expected_failure:
-        assert torch.equal(got, weights_of_seed_2)
+        assert torch.equal(got, weights_of_the_resave)
     # A later save cleans up whatever the failure left behind.
-    train_and_save(save, 3)
-    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    train_and_save(save, 3e-3)
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000001", "iter_0000002",
+                                        "latest_checkpointed_iteration.txt"]
 
 
 def test_tokenizer_copy_is_fsynced(tmp_path, monkeypatch):
@@ -117,7 +124,7 @@ def test_tokenizer_copy_is_fsynced(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     partial = tmp_path / "partial"
     partial.mkdir()
-    info = _copy_tokenizer(types.SimpleNamespace(model_file=str(src_dir / "tokenizer.model"), vocab_size=5),
+    info = copy_tokenizer(types.SimpleNamespace(model_file=str(src_dir / "tokenizer.model"), vocab_size=5),
                            str(partial))
     dst = partial / "tokenizer"
     assert info["tokenizer"]["file"] == os.path.join("tokenizer", "tokenizer.model")

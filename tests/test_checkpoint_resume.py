@@ -42,7 +42,7 @@ def test_exact_resume_tp2_async_save(tmp_path):
     run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
     r = run_cli(run + ["--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     r = run_cli(run + ["--log-json", str(tmp_path / "b.jsonl")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loaded checkpoint" in r.stdout
@@ -65,7 +65,7 @@ def test_async_save_resumes_exactly_for_every_state_format(tmp_path, states, zer
     save = str(tmp_path / "ckpt")
     run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
     first, _ = train(run + ["--exit-interval", "3"])
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     second, _ = train(run)
     assert first + second == ref  # bit-identical
 

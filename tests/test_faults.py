@@ -47,7 +47,7 @@ def test_non_finite_run_stops_with_last_checkpoint_intact(tmp_path, capsys):
     assert len(lines) == 8  # the stopping step is logged too
     assert [("number of skipped iterations:   1" in l) for l in lines] == [False] * 5 + [True] * 3
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000004", "latest_checkpointed_iteration.txt"]
     from megacoat.api import load_model
     model = load_model(str(save))
     assert all(torch.isfinite(p).all() for p in model.parameters())

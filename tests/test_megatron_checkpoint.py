@@ -20,7 +20,7 @@ import torch
 mcore = pytest.importorskip("megatron.core", reason="needs megatron-core (pip install --no-deps megatron-core)")
 
 import megacoat  # noqa: E402
-from megacoat.checkpoint import CheckpointError  # noqa: E402
+from megacoat.checkpoint import CheckpointError, CheckpointReader, resolve_checkpoint_dir  # noqa: E402
 from megacoat.checkpoint.model_io import read_model_tensors  # noqa: E402
 from megacoat.convert.megatron import TokenizerFlags, megacoat_to_megatron, megatron_to_megacoat  # noqa: E402
 from megacoat.convert.megatron_pickle import load_torch_file  # noqa: E402
@@ -462,7 +462,8 @@ def test_convert_cli_and_tokenizer_copy(mcore_env, tmp_path):
 
 def test_resume_training_from_converted_checkpoint(mcore_env, tmp_path):
     """The worked example of docs/migrating-from-megatron.md: convert with --carry-iteration, then
-    `pretrain --load ckpt --use-checkpoint-args` continues at Megatron's iteration with its weights."""
+    `pretrain --load ckpt --use-checkpoint-args` continues at Megatron's iteration with its weights,
+    and its saves keep the layer spec recorded at conversion (for the way back to Megatron)."""
     from megacoat.config import parse_args
     from megacoat.training.trainer import Trainer
     model = build_mcore(LLAMA, num_layers=2)
@@ -473,7 +474,7 @@ def test_resume_training_from_converted_checkpoint(mcore_env, tmp_path):
     megatron_to_megacoat(src, ckpt, carry_iteration=True, log=lambda s: None)
     flags = ["--load", ckpt, "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2", "--global-batch-size",
              "4", "--train-iters", "32", "--fp32", "--num-workers", "0", "--eval-interval", "0", "--eval-iters", "0",
-             "--log-interval", "1", "--lr-warmup-iters", "0"]
+             "--log-interval", "1", "--lr-warmup-iters", "0", "--save", str(tmp_path / "trained")]
     trainer = Trainer(parse_args(flags), log_stream=open(os.devnull, "w"))
     assert trainer.cfg.model.num_query_groups == 2 and trainer.cfg.model.rotary_base == 500000
     assert trainer.model.vocab_size == VOCAB
@@ -481,6 +482,9 @@ def test_resume_training_from_converted_checkpoint(mcore_env, tmp_path):
     trainer.train(on_step=lambda t, rec: steps.append(t.state.iteration))
     assert steps == [31, 32]
     assert trainer.state.consumed_samples == 120 + 2 * 4
+    source = CheckpointReader(resolve_checkpoint_dir(ckpt)).meta["extra"]["source"]
+    assert source["megatron_transformer_impl"] in ("local", "transformer_engine")
+    assert CheckpointReader(resolve_checkpoint_dir(str(tmp_path / "trained"))).meta["extra"]["source"] == source
 
 
 def _layer_names(path: str) -> set:
@@ -555,7 +559,8 @@ def test_convert_refuses_a_live_save_dir_and_never_rewinds_it(mcore_env, tmp_pat
     assert "iteration 4" in err and "iteration 0" in err and live in err
     assert convert.main(["--load-format", "megacoat", "--load-dir", live, "--save-format", "megacoat",
                          "--save-dir", live, "--force"]) == 2  # in place at iteration 0
-    assert _tracker(live) == "4" and sorted(os.listdir(live)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert _tracker(live) == "4" and sorted(os.listdir(live)) == [".megacoat-save.lock", "iter_0000004",
+                                                                   "latest_checkpointed_iteration.txt"]
     # Forced into a directory whose run is older: written, the tracker moves forward, the old run stays.
     assert convert.main(["--load-format", "megatron", "--load-dir", src[250], "--save-format", "megacoat",
                          "--save-dir", live, "--carry-iteration", "--force"]) == 0
@@ -566,7 +571,7 @@ def test_convert_refuses_a_live_save_dir_and_never_rewinds_it(mcore_env, tmp_pat
     assert convert.main(["--load-format", "megatron", "--load-dir", src[4], "--save-format", "megacoat",
                          "--save-dir", live, "--carry-iteration", "--force"]) == 2
     assert "iteration 250" in capsys.readouterr().err
-    assert sorted(os.listdir(live)) == ["iter_0000004", "iter_0000250"]
+    assert sorted(os.listdir(live)) == [".megacoat-save.lock", "iter_0000004", "iter_0000250"]
     # Megatron output: the same rules (a `release` checkpoint counts as iteration 0).
     out = str(tmp_path / "mlm_out")
     to_megatron = ["--load-format", "megacoat", "--load-dir", os.path.join(live, "iter_0000250"), "--save-format",

@@ -3,9 +3,11 @@
 The trainer calls, in this order:
     apply_checkpoint_args(cfg)          before building anything (--use-checkpoint-args)
     ckpt = Checkpointer(cfg, ctx, log)
-    ckpt.load(trainer)                  after model/optimizer/scheduler exist, before the data
+    ckpt.load(trainer)                  after model/optimizer/scheduler exist, before the data: resumes,
+                                        then claims --save (a lock; no other run's checkpoints to overwrite)
     stop = ckpt.after_step(trainer)     after every step: saves when due; True: --exit-duration-in-mins
-    ckpt.finish(trainer)                at the end: final save, waits for a background write
+    ckpt.finish(trainer)                at the end: final save, waits for a background write, releases --save
+    ckpt.release()                      when the run ends otherwise (an error): releases --save
 It reads `trainer.{model, optimizer, scheduler, rng, state, ctx, cfg, tokenizer}` and nothing else.
 """
 from __future__ import annotations
@@ -21,13 +23,14 @@ import torch.distributed as dist
 
 from ..config import ConfigError, MegacoatConfig
 from .collect import GROUP_SIZE, MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
+from .ownership import SaveDirLock, check_save_dir_is_ours, new_run_id
 from .retention import prune_checkpoints
-from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, copy_file_durably, fsync_dir,
-                     resolve_checkpoint_dir)
+from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, complete_iterations,
+                     copy_file_durably, fsync_dir, resolve_checkpoint_dir)
 from .layout import layout_of_parameter
 from .reader import CheckpointReader
 from .writer import (BackgroundWrite, HostSnapshot, RankSave, commit, piece_records, plan_offsets,
-                     prepare_partial_dir, rank_file_path, write_pieces)
+                     prepare_partial_dir, raise_if_any_failed, rank_file_path, write_pieces)
 
 # Model flags that decide tensor shapes; a checkpoint only loads into a model with the same ones.
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -42,18 +45,25 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def find_checkpoint(load: str, save: Optional[str]) -> Optional[str]:
-    """The iteration directory to load; None when resuming into an empty --save directory."""
-    resuming = save is not None and os.path.abspath(load) == os.path.abspath(save)
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def find_checkpoint(load: str, save: Optional[str], log: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """The iteration directory to load; None when resuming into an empty --save directory. A directory
+    with complete iter_* checkpoints but no tracker is never empty (resolve_checkpoint_dir)."""
     empty = not os.path.isdir(load) or not (os.path.exists(os.path.join(load, TRACKER_FILE))
-                                            or os.path.exists(os.path.join(load, METADATA_FILE)))
-    if empty and resuming:
+                                            or os.path.exists(os.path.join(load, METADATA_FILE))
+                                            or complete_iterations(load))
+    if empty and _same_dir(load, save):
         return None  # first launch of a run that saves and resumes from the same directory
-    return resolve_checkpoint_dir(load)
+    return resolve_checkpoint_dir(load, log)
 
 
 def _print_on_rank0(msg: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
+    """apply_checkpoint_args' default log: rank 0 once torch.distributed runs, else every process (the trainer,
+    which knows its rank earlier, passes its own)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
 
 
@@ -62,7 +72,7 @@ def apply_checkpoint_args(cfg: MegacoatConfig, log: Callable[[str], None] = _pri
     c = cfg.checkpoint
     if not (c.use_checkpoint_args and c.load):
         return
-    path = find_checkpoint(c.load, c.save)
+    path = find_checkpoint(c.load, c.save, log)
     if path is None:
         return
     saved = CheckpointReader(path).config
@@ -207,7 +217,7 @@ def masters_from_weights(optimizer) -> None:
     optimizer.after_load()
 
 
-def _copy_tokenizer(tokenizer, partial: str) -> dict:
+def copy_tokenizer(tokenizer, partial: str) -> dict:
     """A copy of the tokenizer model inside the checkpoint, so tools/generate.py needs nothing else."""
     info = {"type": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size}
     src = getattr(tokenizer, "model_file", None)
@@ -256,25 +266,62 @@ class Checkpointer:
         self.pending: Optional[_PendingSave] = None
         self.last_saved: Optional[int] = None
         self.last_stall_s = 0.0
+        # Ownership of --save (ownership.py): a fresh id, or the loaded checkpoint's on resume.
+        self.run_id = new_run_id()
+        self.lock: Optional[SaveDirLock] = None
+        self.own_iterations: set = set()  # this run's checkpoints in --save: the only ones retention deletes
+        self.source: Optional[dict] = None  # where the weights came from (a converted Megatron checkpoint's layer spec)
 
     # ------------------------------------------------------------------------------- load
     def load(self, trainer) -> bool:
+        """Resume from --load when it holds a checkpoint, then claim --save for this run (collective)."""
         c = self.cfg
-        if not c.load:
-            return False
-        path = find_checkpoint(c.load, c.save)
-        if path is None:
-            self.log(f"no checkpoint in {c.load} yet: starting from scratch")
-            return False
-        t0 = time.time()
-        reader = CheckpointReader(path)
-        try:
-            self._load(reader, trainer)
-        finally:
-            reader.close()
-        self.last_saved = trainer.state.iteration if not c.finetune else None
-        self.log(f"loaded checkpoint {path} (iteration {reader.iteration}) in {time.time() - t0:.2f} s")
-        return True
+        loaded, loaded_iteration = False, None
+        if c.load:
+            path = find_checkpoint(c.load, c.save, self.log)
+            if path is None:
+                self.log(f"no checkpoint in {c.load} yet: starting from scratch")
+            else:
+                t0 = time.time()
+                reader = CheckpointReader(path)
+                try:
+                    self._load(reader, trainer)
+                finally:
+                    reader.close()
+                loaded = True
+                self.source = (reader.meta.get("extra") or {}).get("source")  # kept by every later save
+                self.last_saved = trainer.state.iteration if not c.finetune else None
+                if not c.finetune:  # a resumed run keeps its id; finetuning starts a new run
+                    self.run_id = reader.meta.get("run_id") or self.run_id
+                    loaded_iteration = reader.iteration
+                self.log(f"loaded checkpoint {path} (iteration {reader.iteration}) in {time.time() - t0:.2f} s")
+        if c.save:
+            resumed_here = loaded_iteration if _same_dir(c.load, c.save) else None
+            self._claim_save_dir(resumed_here)
+        return loaded
+
+    def _claim_save_dir(self, resumed_at: Optional[int]) -> None:
+        """Rank 0 locks --save and checks that it holds no other run's checkpoints this run could
+        overwrite; every rank raises the same error when either fails."""
+        error = None
+        if self.ctx.rank == 0:
+            try:
+                self.lock = SaveDirLock(self.cfg.save, self.run_id, self.log)
+                found = check_save_dir_is_ours(self.cfg.save, self.run_id, resumed_at)
+                self.own_iterations = {it for it, rid in found.items() if rid == self.run_id or it == resumed_at}
+            except CheckpointError as e:
+                self.release()
+                error = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise_if_any_failed(error, f"claiming --save {self.cfg.save}")
+        elif error is not None:
+            raise error
+
+    def release(self) -> None:
+        """Let other runs write --save (the end of this run, or its failure)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _load(self, reader: CheckpointReader, trainer) -> None:
         c, ctx = self.cfg, trainer.ctx
@@ -333,6 +380,7 @@ class Checkpointer:
         if self.cfg.save and self.last_saved != trainer.state.iteration:
             self.save(trainer)
         self.wait()
+        self.release()
 
     def save(self, trainer) -> None:
         t0 = time.time()
@@ -352,9 +400,10 @@ class Checkpointer:
             common = {"train_state": {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
                                       "skipped_iters": st.skipped_iters, "nan_iters": st.nan_iters},
                       "scheduler": trainer.scheduler.state_dict(), "optimizer": trainer.optimizer.scalar_state()}
-            metadata = {"config": trainer.cfg.to_dict(), "parallel": parallel_layout(ctx),
+            metadata = {"config": trainer.cfg.to_dict(), "parallel": parallel_layout(ctx), "run_id": self.run_id,
                         "vocab_size": trainer.model.vocab_size, "padded_vocab_size": trainer.model.padded_vocab}
-        extra = lambda d, tok=trainer.tokenizer: _copy_tokenizer(tok, d)  # noqa: E731
+        source = {"source": self.source} if self.source else {}
+        extra = lambda d, tok=trainer.tokenizer: {**copy_tokenizer(tok, d), **source}  # noqa: E731
         pending = _PendingSave(None, mine, pieces, offsets, file_name, common, metadata, extra, save_dir, it)
         if self.cfg.async_save:
             pending.pieces = self.snapshot.take(pieces, offsets, total)
@@ -390,8 +439,10 @@ class Checkpointer:
         if pending.mine.error is None:
             pending.mine.records = piece_records(pending.pieces, pending.offsets, crcs, pending.file_name)
         commit(pending.save_dir, pending.iteration, pending.mine, pending.common, pending.metadata, pending.extra)
+        self.own_iterations.add(pending.iteration)
         if self.cfg.save_retain and self.ctx.rank == 0:  # published (commit is collective): prune the oldest
-            prune_checkpoints(pending.save_dir, self.cfg.save_retain, self.log)
+            prune_checkpoints(pending.save_dir, self.cfg.save_retain, self.own_iterations, self.log)
+            self.own_iterations.intersection_update(complete_iterations(pending.save_dir))
 
     def _maybe_finalize(self) -> None:
         """Commit a background save once every rank's write has finished (one tiny all-reduce)."""

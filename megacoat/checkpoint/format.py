@@ -17,10 +17,11 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
-from typing import Optional
+from typing import Callable, List, Optional
 
 from ..config import ConfigError
 
@@ -170,16 +171,36 @@ def write_json_atomic(path: str, obj: dict) -> None:
     write_file_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
-def resolve_checkpoint_dir(load_dir: str) -> str:
-    """`load_dir` may be a save directory (with a tracker) or one iteration's directory."""
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def complete_iterations(save_dir: str) -> List[int]:
+    """Iterations of the complete checkpoints (iter_* directories with their metadata.json) in `save_dir`, sorted."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = (_ITERATION_DIR.match(n) for n in os.listdir(save_dir))
+    return sorted(int(m.group(1)) for m in found
+                  if m and os.path.isfile(os.path.join(save_dir, m.group(0), METADATA_FILE)))
+
+
+def resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]] = None) -> str:
+    """`load_dir` may be a save directory (with a tracker) or one iteration's directory. A save
+    directory whose tracker is missing (a crash between publishing a checkpoint and writing the
+    tracker, or a copy without it) loads its newest complete checkpoint, and says so through `log`."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check --load")
     if os.path.exists(os.path.join(load_dir, METADATA_FILE)):
         return load_dir
     iteration = read_tracker(load_dir)
     if iteration is None:
-        raise CheckpointError(f"{load_dir} holds no checkpoint: neither {TRACKER_FILE} nor {METADATA_FILE} "
-                              "is there; point --load at a directory megacoat saved to")
+        found = complete_iterations(load_dir)
+        if not found:
+            raise CheckpointError(f"{load_dir} holds no checkpoint: neither {TRACKER_FILE} nor {METADATA_FILE} "
+                                  "nor a complete iter_* directory is there; point --load at a directory megacoat "
+                                  "saved to")
+        path = os.path.join(load_dir, iteration_dir_name(found[-1]))
+        (log or print)(f"{load_dir} has no {TRACKER_FILE}: loading its newest complete checkpoint {path}")
+        return path
     path = os.path.join(load_dir, iteration_dir_name(iteration))
     replaced = os.path.join(load_dir, replaced_dir_name(iteration))
     if not os.path.isdir(path) and os.path.exists(os.path.join(replaced, METADATA_FILE)):

@@ -175,7 +175,7 @@ def commit(save_dir: str, iteration: int, mine: RankSave, common: Optional[dict]
             publish(save_dir, iteration, everyone, common, metadata, extra_files)
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e
-    _raise_if_any_failed(error, f"saving checkpoint {final}")
+    raise_if_any_failed(error, f"saving checkpoint {final}")
     return final
 
 
@@ -205,7 +205,7 @@ def publish(save_dir, iteration, everyone, common, metadata, extra_files):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
-def _raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
+def raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
     failed = error is not None
     if dist.is_initialized() and dist.get_world_size() > 1:
         flags: List = [None] * dist.get_world_size()
@@ -230,7 +230,7 @@ def prepare_partial_dir(save_dir: str, iteration: int, rank: int) -> str:
             os.makedirs(partial)
         except OSError as e:
             error = CheckpointError(f"cannot create {partial}: {e}; check that --save is writable")
-    _raise_if_any_failed(error, f"preparing {partial}")
+    raise_if_any_failed(error, f"preparing {partial}")
     return partial
 
 

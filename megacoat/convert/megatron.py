@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.checkpointer import _copy_tokenizer
+from ..checkpoint.checkpointer import copy_tokenizer
 from ..checkpoint.collect import MODEL_KIND
 from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
 from ..checkpoint.model_io import model_config_of, write_model_checkpoint
@@ -162,7 +162,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     def extra(partial: str) -> dict:
         if tok is None:
             return {"tokenizer": {"type": "NullTokenizer", "vocab_size": vocab}, "source": source}
-        return dict(_copy_tokenizer(tok, partial), source=source)
+        return dict(copy_tokenizer(tok, partial), source=source)
 
     out = write_model_checkpoint(save_dir, m, vocab, tensors, tp=tp, iteration=iteration, cfg=cfg,
                                  extra_files=extra, consumed_samples=consumed)

@@ -27,6 +27,7 @@ rewound: writing an iteration older than the newest one there is refused (its tr
 backwards and the next --load would restart that run).
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -69,10 +70,44 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    a = parse(argv)
+def convert(a, dtype) -> str:
+    """Dispatch to the conversion the formats name; returns what was written."""
     from megacoat.convert import (TokenizerFlags, hf_to_megacoat, megacoat_to_hf, megacoat_to_megacoat,
                                   megacoat_to_megatron, megatron_to_megacoat)
+    if a.load_format == "megatron" and a.save_format == "megacoat":
+        if a.target_pipeline_parallel_size < 1:
+            raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
+        if a.megatron_transformer_impl:
+            raise CheckpointError("--megatron-transformer-impl applies to megacoat -> Megatron; the layer spec of "
+                                  "a Megatron checkpoint is read from its parameter names and args")
+        tok = TokenizerFlags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
+        out = megatron_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size, dtype, tok,
+                                   a.true_vocab_size, a.carry_iteration, force=a.force)
+    elif a.load_format == "megacoat" and a.save_format == "megatron":
+        out = megacoat_to_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                                   a.target_pipeline_parallel_size, dtype, a.megatron_transformer_impl,
+                                   a.carry_iteration, force=a.force)
+    elif "megatron" in (a.load_format, a.save_format):
+        raise CheckpointError("Megatron checkpoints convert to and from megacoat; go through megacoat for "
+                              f"{a.load_format} -> {a.save_format}")
+    elif a.load_format == "hf" and a.save_format == "megacoat":
+        out = hf_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                             a.target_pipeline_parallel_size, dtype, force=a.force)
+    elif a.load_format == "megacoat" and a.save_format == "hf":
+        if a.target_tensor_parallel_size != 1 or a.target_pipeline_parallel_size != 1:
+            raise CheckpointError("--target-*-parallel-size applies to megacoat output only")
+        out = megacoat_to_hf(a.load_dir, a.save_dir, dtype, force=a.force)
+    elif a.load_format == "megacoat" and a.save_format == "megacoat":
+        out = megacoat_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                                   a.target_pipeline_parallel_size, dtype, force=a.force)
+    else:
+        raise CheckpointError("hf -> hf is not a conversion; copy the directory")
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    from megacoat.checkpoint.ownership import SaveDirLock
     dtype = DTYPES.get(a.dtype)
     try:
         if a.target_tensor_parallel_size < 1:
@@ -82,34 +117,10 @@ def main(argv=None) -> int:
                                         ("--megatron-transformer-impl", a.megatron_transformer_impl)) if v]
         if megatron_only and "megatron" not in (a.load_format, a.save_format):
             raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
-        if a.load_format == "megatron" and a.save_format == "megacoat":
-            if a.target_pipeline_parallel_size < 1:
-                raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
-            if a.megatron_transformer_impl:
-                raise CheckpointError("--megatron-transformer-impl applies to megacoat -> Megatron; the layer spec of "
-                                      "a Megatron checkpoint is read from its parameter names and args")
-            tok = TokenizerFlags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
-            out = megatron_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size, dtype, tok,
-                                       a.true_vocab_size, a.carry_iteration, force=a.force)
-        elif a.load_format == "megacoat" and a.save_format == "megatron":
-            out = megacoat_to_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                       a.target_pipeline_parallel_size, dtype, a.megatron_transformer_impl,
-                                       a.carry_iteration, force=a.force)
-        elif "megatron" in (a.load_format, a.save_format):
-            raise CheckpointError("Megatron checkpoints convert to and from megacoat; go through megacoat for "
-                                  f"{a.load_format} -> {a.save_format}")
-        elif a.load_format == "hf" and a.save_format == "megacoat":
-            out = hf_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                 a.target_pipeline_parallel_size, dtype, force=a.force)
-        elif a.load_format == "megacoat" and a.save_format == "hf":
-            if a.target_tensor_parallel_size != 1 or a.target_pipeline_parallel_size != 1:
-                raise CheckpointError("--target-*-parallel-size applies to megacoat output only")
-            out = megacoat_to_hf(a.load_dir, a.save_dir, dtype, force=a.force)
-        elif a.load_format == "megacoat" and a.save_format == "megacoat":
-            out = megacoat_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                       a.target_pipeline_parallel_size, dtype, force=a.force)
-        else:
-            raise CheckpointError("hf -> hf is not a conversion; copy the directory")
+        # A training run's directory is written by one run at a time: a live run's lock refuses the conversion.
+        lock = SaveDirLock(a.save_dir, "conversion") if a.save_format in ("megacoat", "megatron") else None
+        with lock or contextlib.nullcontext():
+            out = convert(a, dtype)
     except (CheckpointError, ValueError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
