@@ -3,8 +3,9 @@
 Every field becomes one flag: `--` + the field name with `_` -> `-` (Megatron's spelling).
 The help text is the field's `help` metadata. Booleans that default to False are
 `store_true` flags; booleans that default to True get a `--no-...` flag instead.
-Validation that needs several fields at once lives in `validate_config`, so that bad layouts
-fail before anything is allocated, with one message naming the flags involved.
+Validation lives in `validate_config`, so that bad flags fail before anything is allocated, with
+one message naming the flags involved: first the range of every numeric flag (`_RANGES`; a test
+fails for a numeric flag left out), then the checks that need several fields at once.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 
 class ConfigError(ValueError):
@@ -91,7 +93,7 @@ class ParallelConfig:
 @dataclass
 class OptimizerConfig:
     optimizer: str = _f("adam", "Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
-    lr: float = _f(1e-3, "Peak learning rate.")
+    lr: float = _f(1e-3, "Peak learning rate (> 0).")
     min_lr: float = _f(1e-4, "Minimum learning rate at the end of decay.")
     lr_warmup_iters: int = _f(20, "Linear warmup iterations.")
     lr_decay_style: str = _f("cosine", "Decay after warmup.", choices=["cosine", "linear", "constant"])
@@ -180,7 +182,8 @@ class CommConfig:
 @dataclass
 class DataConfig:
     data_path: list = _f([], "Megatron data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'. Empty: the built-in default corpus.", nargs="*")
-    split: str = _f("969,30,1", "Train,valid,test split of --data-path documents, e.g. 949,50,1.")
+    split: str = _f("969,30,1", "Train,valid,test split of --data-path documents, e.g. 949,50,1 (weights >= 0; "
+                                "train's must be > 0). An empty validation split (e.g. 100,0,0) skips evaluation.")
     train_data_path: list = _f([], "Separate (weighted) prefixes for training.", nargs="*")
     valid_data_path: list = _f([], "Separate (weighted) prefixes for validation.", nargs="*")
     test_data_path: list = _f([], "Separate (weighted) prefixes for test.", nargs="*")
@@ -205,14 +208,16 @@ class TrainingConfig:
     micro_batch_size: int = _f(8, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Samples per optimizer step over all DP ranks. Default: micro_batch_size * DP.")
     train_iters: int = _f(200, "Optimizer steps to train.")
-    seed: int = _f(1234, "Random seed (weights, data order, dropout).")
+    seed: int = _f(1234, "Random seed (weights, data order, dropout); 0 <= seed < 2**32.")
     bf16: bool = _f(False, "Train in bf16 with fp32 master weights (the default on GPU).")
     fp32: bool = _f(False, "Train in fp32 (the default on CPU).")
     fp16: bool = _f(False, "Not supported: use --bf16.")
     use_cpu: bool = _f(False, "Run on CPU even when a GPU is present.")
     torch_compile: Optional[bool] = _f(None, "Compile transformer layers with torch.compile (default: on for GPU).", tristate=True)
     eval_interval: int = _f(100, "Evaluate on the validation set every this many iterations (0: never).")
-    eval_iters: int = _f(10, "Validation iterations per evaluation.")
+    eval_iters: int = _f(10, "Validation iterations per evaluation (0: no validation). When the validation split "
+                             "has no documents (e.g. --split 100,0,0), evaluation is skipped with a warning, as "
+                             "Megatron skips it.")
     exit_interval: Optional[int] = _f(None, "Stop after the iteration that is a multiple of this.")
     train_samples: Optional[int] = _f(None, "Train on this many samples (instead of --train-iters; the schedule is "
                                             "then counted in samples too).")
@@ -260,7 +265,8 @@ class CheckpointConfig:
     no_load_optim: bool = _f(False, "Load model weights only: no optimizer state, no LR scheduler state.")
     no_load_rng: bool = _f(False, "Do not restore the RNG states.")
     finetune: bool = _f(False, "Load model weights only and start at iteration 0 (fresh optimizer, scheduler, data).")
-    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time (checked at --log-interval iterations).")
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes of wall time (checked at "
+                                                      "--log-interval iterations; 0: at the first check).")
     use_checkpoint_args: bool = _f(False, "Take the model architecture (and tokenizer) flags from the checkpoint in --load.")
     save_retain: Optional[int] = _f(None, "Keep only the newest N checkpoints in --save (older iter_* directories "
                                           "are deleted after each save).")
@@ -389,7 +395,8 @@ def resolve_model_defaults(m: ModelConfig) -> None:
                 "pick divisible values or set --kv-channels.")
         m.kv_channels = m.hidden_size // m.num_attention_heads
     if m.num_query_groups is None or not m.group_query_attention:
-        if m.num_query_groups is not None and not m.group_query_attention:
+        # (one group per head is what this resolves to without grouped-query attention: a second call accepts it)
+        if m.num_query_groups not in (None, m.num_attention_heads) and not m.group_query_attention:
             raise ConfigError("--num-query-groups needs --group-query-attention.")
         m.num_query_groups = m.num_attention_heads
     if m.ffn_hidden_size is None:
@@ -407,18 +414,137 @@ def round_to_fp32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+_FP32_MAX = 3.4028234663852886e38
+
+# Range rules of single flags: (test, requirement). Optional flags left unset (None) are not checked.
+_RULES = {
+    ">=1": (lambda v: v >= 1, "must be >= 1"),
+    ">=0": (lambda v: v >= 0, "must be >= 0"),
+    ">0 finite": (lambda v: math.isfinite(v) and v > 0, "must be > 0 and finite"),
+    ">=0 finite": (lambda v: math.isfinite(v) and v >= 0, "must be >= 0 and finite"),
+    "[0,1)": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "[0,1]": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "seed": (lambda v: 0 <= v < 2 ** 32, "must be >= 0 and < 2**32 (numpy's seeds are 32-bit)"),
+}
+
+# Every numeric flag with a valid range: (section, field, rule, what the value means / how to fix it).
+_RANGES = (
+    ("model", "num_layers", ">=1", ""),
+    ("model", "hidden_size", ">=1", ""),
+    ("model", "ffn_hidden_size", ">=1", " (or leave it unset for the default)"),
+    ("model", "num_attention_heads", ">=1", ""),
+    ("model", "num_query_groups", ">=1", ""),
+    ("model", "kv_channels", ">=1", " (or leave it unset: --hidden-size / --num-attention-heads)"),
+    ("model", "seq_length", ">=1", ""),
+    ("model", "max_position_embeddings", ">=1", ""),
+    ("model", "norm_epsilon", ">0 finite", " (e.g. 1e-5)"),
+    ("model", "rotary_base", ">0 finite", " (e.g. 10000)"),
+    ("model", "init_method_std", ">0 finite", " (e.g. 0.02)"),
+    ("model", "attention_dropout", "[0,1)", ""),
+    ("model", "hidden_dropout", "[0,1)", ""),
+    ("model", "make_vocab_size_divisible_by", ">=1", ""),
+    ("parallel", "tensor_model_parallel_size", ">=1", ""),
+    ("parallel", "pipeline_model_parallel_size", ">=1", ""),
+    ("parallel", "num_layers_per_virtual_pipeline_stage", ">=1", ""),
+    ("parallel", "decoder_first_pipeline_num_layers", ">=1", ""),
+    ("parallel", "decoder_last_pipeline_num_layers", ">=1", ""),
+    ("parallel", "ranks_per_node", ">=1", ""),
+    ("parallel", "distributed_timeout_minutes", ">0 finite", ""),
+    ("parallel", "world_size", ">=1", ""),
+    ("parallel", "ddp_bucket_size", ">=1", ""),
+    ("optim", "min_lr", ">=0 finite", ""),
+    ("optim", "lr_warmup_iters", ">=0", ""),
+    ("optim", "lr_decay_iters", ">=1", ""),
+    ("optim", "lr_warmup_samples", ">=0", ""),
+    ("optim", "lr_decay_samples", ">=1", ""),
+    ("optim", "lr_warmup_fraction", "[0,1]", ""),
+    ("optim", "weight_decay", ">=0 finite", " (0: no weight decay)"),
+    ("optim", "adam_eps", ">0 finite", " (e.g. Megatron's default 1e-8)"),
+    ("optim", "clip_grad", ">=0 finite", " (0: no clipping)"),
+    ("comm", "gradient_alltoall_pipeline", ">=1", ""),
+    ("data", "vocab_size", ">=1", ""),
+    ("data", "num_workers", ">=0", " (0: load data in the training process)"),
+    ("train", "micro_batch_size", ">=1", ""),
+    ("train", "global_batch_size", ">=1", ""),
+    ("train", "train_iters", ">=1", ""),
+    ("train", "train_samples", ">=1", ""),
+    ("train", "seed", "seed", ""),
+    ("train", "eval_interval", ">=0", " (0: never)"),
+    ("train", "eval_iters", ">=0", " (0: no validation)"),
+    ("train", "exit_interval", ">=1", ""),
+    ("train", "max_skipped_iterations", ">=1", ""),
+    ("train", "recompute_num_layers", ">=1", ""),
+    ("logging", "peak_tflops", ">0 finite", ""),
+    ("checkpoint", "save_interval", ">=1", ""),
+    ("checkpoint", "exit_duration_in_mins", ">=0 finite", " (0: save and exit at the first check)"),
+)
+
+
+def _range_errors(cfg: MegacoatConfig) -> list:
+    """One message per flag outside its valid range. Checked first: later checks divide by these
+    values, and a bad one would otherwise surface as a traceback from deep inside the run."""
+    errors = []
+    for section, name, rule, hint in _RANGES:
+        value = getattr(getattr(cfg, section), name)
+        ok, requirement = _RULES[rule]
+        if value is not None and not ok(value):
+            errors.append(f"{_flag(name)} {value} {requirement}{hint}.")
+    o, lg, c = cfg.optim, cfg.logging, cfg.checkpoint
+    beta1_ok = True
+    for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+        # The optimizers compute in fp32: a beta that rounds to 1 there zeroes a bias correction.
+        if not 0.0 <= round_to_fp32(beta) < 1.0:
+            errors.append(f"{flag} {beta} must be >= 0 and < 1 in fp32.")
+            beta1_ok = beta1_ok and flag != "--adam-beta1"
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        errors.append(f"--lr {o.lr} must be > 0 and finite (GPT pretraining uses about 1e-4 to 1e-2).")
+    elif beta1_ok and o.lr / (1.0 - round_to_fp32(o.adam_beta1)) > _FP32_MAX:
+        # AdamW's first step moves each weight by up to lr / (1 - beta1): beyond fp32 it cannot be computed.
+        errors.append(f"--lr {o.lr} is too large: AdamW's first step size lr / (1 - --adam-beta1) overflows fp32 "
+                      "(GPT pretraining uses about 1e-4 to 1e-2).")
+    if lg.log_interval < 1:
+        errors.append(f"--log-interval {lg.log_interval} must be >= 1 (iterations per log line; the last "
+                      f"iteration is always logged, so --log-interval {cfg.train.train_iters} logs only at the end).")
+    if c.save_retain is not None and c.save_retain < 1:
+        errors.append("--save-retain must be >= 1 (the newest checkpoint is always kept).")
+    try:
+        split_fractions(cfg.data.split)
+    except ConfigError as e:
+        errors.append(str(e))
+    return errors
+
+
+def split_fractions(split: str) -> List[float]:
+    """--split '949,50,1' (or '949/50/1', Megatron's spellings) -> train, valid, test fractions (missing ones 0)."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not parts or len(parts) > 3 or not all(math.isfinite(x) and x >= 0 for x in parts) or sum(parts) <= 0:
+        raise ConfigError(f"--split {split!r}: expected up to three non-negative weights for train, valid and test "
+                          "with a positive sum, e.g. 949,50,1")
+    parts += [0.0] * (3 - len(parts))
+    return [x / sum(parts) for x in parts]
+
+
+def _raise_config_errors(errors: list) -> None:
+    if len(errors) == 1:  # one problem: one line
+        raise ConfigError(f"invalid configuration: {errors[0]}")
+    raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
 def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     """Check everything that can be checked before allocating; raise ConfigError naming the flags."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
-    errors = []
+    errors = _range_errors(cfg)
+    if errors:
+        _raise_config_errors(errors)
     resolve_model_defaults(m)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        errors.append("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1.")
-    elif world_size % (tp * pp):
+    if world_size % (tp * pp):
         errors.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                       f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
-    dp = max(world_size // max(tp * pp, 1), 1)
+    dp = max(world_size // (tp * pp), 1)
     if m.num_attention_heads % tp:
         errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
                       f"--tensor-model-parallel-size {tp}.")
@@ -438,61 +564,77 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append(f"--max-position-embeddings {m.max_position_embeddings} < --seq-length {m.seq_length}.")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
-    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
+    if t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                       f"{t.micro_batch_size} x data-parallel size {dp} (= world {world_size} / (TP {tp} x PP {pp})).")
-    if pp >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * dp) == 0:
+    else:
         errors += _pipeline_errors(m.num_layers, pp, p, t.global_batch_size // (t.micro_batch_size * dp))
     errors += _sample_schedule_errors(cfg, dp)  # before --lr-decay-iters defaults to --train-iters
     if t.fp16:
         errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
     if t.bf16 and t.fp32:
         errors.append("--bf16 and --fp32 conflict: pick one.")
-    if t.train_iters < 1:
-        errors.append("--train-iters must be >= 1.")
-    if cfg.logging.log_interval < 1:
-        errors.append(f"--log-interval {cfg.logging.log_interval} must be >= 1 (iterations per log line; the last "
-                      f"iteration is always logged, so --log-interval {t.train_iters} logs only at the end).")
+    errors += _lr_schedule_errors(cfg)
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
-    if o.min_lr > o.lr:
-        errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
-    for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
-        # The optimizers compute in fp32: a beta that rounds to 1 there zeroes a bias correction.
-        if not 0.0 <= round_to_fp32(beta) < 1.0:
-            errors.append(f"{flag} {beta} must be >= 0 and < 1 in fp32.")
-    if not o.adam_eps > 0.0:  # zero: 0/0 for every element whose moments are zero (torch's AdamW too)
-        errors.append(f"--adam-eps {o.adam_eps} must be > 0 (e.g. Megatron's default 1e-8).")
-    for name in ("attention_dropout", "hidden_dropout"):
-        if not 0.0 <= getattr(m, name) < 1.0:
-            errors.append(f"{_flag(name)} must be in [0, 1).")
     d = cfg.data
     if d.mock_data and (d.data_path or d.train_data_path):
         errors.append("--mock-data conflicts with --data-path/--train-data-path: pick one.")
     if d.data_path and (d.train_data_path or d.valid_data_path or d.test_data_path):
         errors.append("--data-path conflicts with --train-data-path/--valid-data-path/--test-data-path.")
+    errors += _train_data_errors(d)
     if (p.overlap_grad_reduce or p.overlap_param_gather) and not p.use_distributed_optimizer:
         errors.append("--overlap-grad-reduce / --overlap-param-gather need --use-distributed-optimizer.")
     if p.grad_reduce_in_bf16 and p.accumulate_allreduce_grads_in_fp32:
         errors.append("--grad-reduce-in-bf16 conflicts with --accumulate-allreduce-grads-in-fp32.")
-    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
-        errors.append("--ddp-bucket-size must be >= 1.")
-    if p.ranks_per_node is not None and p.ranks_per_node < 1:
-        errors.append("--ranks-per-node must be >= 1.")
     if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
         errors.append("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
-    if t.recompute_num_layers is not None and t.recompute_num_layers < 1:
-        errors.append("--recompute-num-layers must be >= 1.")
-    if t.max_skipped_iterations is not None and t.max_skipped_iterations < 1:
-        errors.append("--max-skipped-iterations must be >= 1.")
-    if cfg.checkpoint.save_retain is not None and cfg.checkpoint.save_retain < 1:
-        errors.append("--save-retain must be >= 1 (the newest checkpoint is always kept).")
+    c = cfg.checkpoint
+    needs_save = [f for f, on in (("--save-interval", c.save_interval is not None), ("--async-save", c.async_save),
+                                  ("--save-retain", c.save_retain is not None)) if on]
+    if needs_save and not c.save:
+        errors.append(f"{' / '.join(needs_save)} need{'s' if len(needs_save) == 1 else ''} --save DIR (the directory "
+                      "checkpoints are written to).")
     lg = cfg.logging
     if (lg.wandb_entity or lg.wandb_save_dir or lg.wandb_exp_name) and not lg.wandb_project:
         errors.append("--wandb-entity / --wandb-save-dir / --wandb-exp-name need --wandb-project NAME.")
     errors += _method_errors(cfg)
     if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        _raise_config_errors(errors)
+
+
+def _lr_schedule_errors(cfg: MegacoatConfig) -> list:
+    """Learning rates and warmup against decay. Megatron asserts warmup < decay; a decay span left at its
+    default (the whole run) is not held to it: a run shorter than its warmup just never finishes warming up."""
+    o, t, errors = cfg.optim, cfg.train, []
+    if o.min_lr > o.lr:
+        errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}.")
+    if o.lr_decay_style == "constant" or o.lr_warmup_fraction is not None:
+        return errors  # no decay span, or warmup defined as a share of it
+    if t.train_samples is None:
+        if o.lr_decay_iters not in (None, t.train_iters) and o.lr_warmup_iters >= o.lr_decay_iters:
+            errors.append(f"--lr-warmup-iters {o.lr_warmup_iters} must be below --lr-decay-iters "
+                          f"{o.lr_decay_iters} (warmup is part of the decay span).")
+    elif o.lr_warmup_samples is not None and o.lr_decay_samples not in (None, t.train_samples) and \
+            o.lr_warmup_samples >= o.lr_decay_samples:
+        errors.append(f"--lr-warmup-samples {o.lr_warmup_samples} must be below --lr-decay-samples "
+                      f"{o.lr_decay_samples} (warmup is part of the decay span).")
+    return errors
+
+
+def _train_data_errors(d: DataConfig) -> list:
+    """Training data that is empty by the flags alone (the data files are checked when the datasets are built)."""
+    if d.mock_data:
+        return []
+    if d.train_data_path or d.valid_data_path or d.test_data_path:
+        if not d.train_data_path:
+            return ["--valid-data-path / --test-data-path need --train-data-path (the training data)."]
+        return []
+    if split_fractions(d.split)[0] == 0:
+        source = f"--data-path {' '.join(d.data_path)}" if d.data_path else "the default corpus"
+        return [f"--split {d.split} leaves no documents of {source} for training: give the train split a "
+                "positive share, e.g. --split 969,30,1."]
+    return []
 
 
 def _method_errors(cfg: MegacoatConfig) -> list:
@@ -520,8 +662,6 @@ def _method_errors(cfg: MegacoatConfig) -> list:
         g = getattr(c, name)
         if g < 32 or g & (g - 1) or g > 2048:
             errors.append(f"{_flag(name)} {g} must be a power of two in [32, 2048].")
-    if c.gradient_alltoall_pipeline < 1:
-        errors.append("--gradient-alltoall-pipeline must be >= 1.")
     return errors
 
 
@@ -553,8 +693,6 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
     """--train-samples (with --lr-warmup-samples / --lr-decay-samples / --rampup-batch-size) and
     --lr-warmup-fraction; resolves --train-iters from --train-samples."""
     t, o, errors = cfg.train, cfg.optim, []
-    if o.lr_warmup_fraction is not None and not 0.0 <= o.lr_warmup_fraction <= 1.0:
-        errors.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be in [0, 1].")
     if o.lr_warmup_fraction is not None and o.lr_warmup_samples is not None:
         errors.append("--lr-warmup-fraction and --lr-warmup-samples conflict: pick one.")
     if t.train_samples is None:
@@ -563,8 +701,6 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
         if named:
             errors.append(f"{' / '.join(named)} need --train-samples (the schedule counts samples then).")
         return errors
-    if t.train_samples < 1:
-        return errors + ["--train-samples must be >= 1."]
     unit = t.micro_batch_size * dp
     try:
         ramp = rampup_batch_sizes(cfg)
@@ -614,7 +750,7 @@ def _pipeline_errors(num_layers: int, pp: int, p: ParallelConfig, num_micro: int
         if first is not None or last is not None:
             errors.append("--num-layers-per-virtual-pipeline-stage cannot be combined with "
                           "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers.")
-        elif vp_layers < 1 or num_layers % (pp * vp_layers):
+        elif num_layers % (pp * vp_layers):
             errors.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                           f"--num-layers-per-virtual-pipeline-stage {vp_layers}: each PP rank must hold a whole "
                           "number of model chunks.")
@@ -630,10 +766,6 @@ def _pipeline_errors(num_layers: int, pp: int, p: ParallelConfig, num_micro: int
         return errors
     given = [(f, n) for f, n in (("--decoder-first-pipeline-num-layers", first),
                                  ("--decoder-last-pipeline-num-layers", last)) if n is not None]
-    bad = [f for f, n in given if n < 1]
-    if bad:
-        errors.append(f"{' and '.join(bad)} must be >= 1.")
-        return errors
     rest, middle = num_layers - sum(n for _, n in given), pp - len(given)
     names = " + ".join(f"{f} {n}" for f, n in given)
     if middle == 0 and rest != 0:

@@ -11,7 +11,8 @@ Writes {output-prefix}_{key}_document.bin/.idx per JSON key (uint16 tokens when 
 vocabulary has fewer than 65,500 ids, else int32). Inputs: JSONL (one object per line),
 plain text with one document per line, or one document per file (--input-format text-files;
 --input may then name directories). Malformed lines stop the run with file and line number,
-or are skipped and counted with --skip-bad-lines.
+or are skipped and counted with --skip-bad-lines. Output without a token (empty input, or every
+line skipped) is written but ends with a warning: training on it is refused.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megacoat.data.preprocessing import INPUT_FORMATS, BadInputError, expand_inputs, preprocess  # noqa: E402
+from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, empty_output_warning,  # noqa: E402
+                                         expand_inputs, preprocess)
 from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
 
 
@@ -72,6 +74,9 @@ def main(argv=None) -> int:
           f"bad line(s)", file=sys.stderr)
     for key, prefix in result.outputs.items():
         print(f"  {key}: {prefix}.bin / {prefix}.idx", file=sys.stderr)
+    warning = empty_output_warning(result)
+    if warning:  # last, where it is seen; the files are still written (one empty shard of many is no error)
+        print(warning, file=sys.stderr)
     return 0
 
 

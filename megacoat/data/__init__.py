@@ -1,9 +1,10 @@
 """Data pipeline: tokenizers, Megatron indexed datasets, GPT samples, blending, DP-aware loading.
 
-The training loop needs two calls:
+The training loop needs three calls:
 
     tokenizer = build_tokenizer(cfg.data)
-    iters = build_data_iterators(cfg, tokenizer, dp_rank=r, dp_size=d, consumed_samples=0)
+    datasets = build_datasets(cfg, tokenizer)  # refuses empty training data (before the model is built)
+    iters = build_data_iterators(cfg, tokenizer, dp_rank=r, dp_size=d, consumed_samples=0, datasets=datasets)
     batch = next(iters.train)   # tokens, labels, loss_mask, position_ids, document_ids
 
 See megacoat/data/README.md for the modules and the exact semantics.
@@ -23,8 +24,8 @@ from megacoat.data.sampler import GlobalOrderBatchSampler
 from megacoat.data.tokenizer import (GPTSentencePieceTokenizer, NullTokenizer, TokenizerError,
                                      build_tokenizer_by_type, check_vocab_size)
 
-__all__ = ["build_tokenizer", "build_data_iterators", "DataIterators", "DataConfigError", "TokenizerError",
-           "check_vocab_size", "DEFAULT_MOCK_VOCAB_SIZE"]
+__all__ = ["build_tokenizer", "build_datasets", "build_data_iterators", "Datasets", "DataIterators", "DataConfigError",
+           "TokenizerError", "check_vocab_size", "DEFAULT_MOCK_VOCAB_SIZE"]
 
 DEFAULT_MOCK_VOCAB_SIZE = 32000
 log = logging.getLogger("megacoat.data")
@@ -53,6 +54,13 @@ def build_tokenizer(data_cfg):
         return GPTSentencePieceTokenizer(corpus.tokenizer_model)
     return build_tokenizer_by_type(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_size,
                                    data_cfg.vocab_file, data_cfg.merge_file)
+
+
+@dataclass
+class Datasets:
+    train: Any
+    valid: Optional[Any]  # None: the split has no documents (or no samples are asked of it)
+    test: Optional[Any]
 
 
 @dataclass
@@ -88,6 +96,33 @@ def _build_datasets(cfg, tokenizer):
                                   "tools/preprocess_data.py for your tokenizer")
         blend = parse_blend([corpus.data_prefix])
     return build_split_datasets(blend, d.split, sizes, seq, seed, cache)
+
+
+def _no_validation_data(d) -> str:
+    """Why the validation split is empty, naming the flags."""
+    if d.train_data_path or d.valid_data_path or d.test_data_path:
+        return f"--valid-data-path {' '.join(d.valid_data_path)} holds no documents" if d.valid_data_path else \
+            "no --valid-data-path"
+    source = f"--data-path {' '.join(d.data_path)}" if d.data_path else "the default corpus"
+    return f"--split {d.split} leaves no documents of {source} for validation"
+
+
+def build_datasets(cfg, tokenizer) -> Datasets:
+    """The train/valid/test datasets of the flags; indices are built (or read from the cache) here.
+
+    Refuses (DataConfigError, naming the data and the split) a train split without documents and data
+    made with another tokenizer, so that a run fails before its model is built. A validation split
+    without documents while --eval-iters > 0 skips evaluation with a warning (as Megatron skips it)."""
+    train, valid, test = _build_datasets(cfg, tokenizer)
+    if train is None:  # the builders refuse empty train splits naming the prefixes; this is the last guard
+        raise DataConfigError("no training data: give --data-path or --train-data-path with documents to train on")
+    for name, ds in (("train", train), ("valid", valid), ("test", test)):
+        if ds is not None:
+            _check_token_ids(ds, tokenizer.vocab_size, name)
+    if valid is None and cfg.train.eval_iters > 0:
+        log.warning(f"warning: {_no_validation_data(cfg.data)}: evaluation is skipped (--eval-iters 0 says so and "
+                    "silences this warning)")
+    return Datasets(train, valid, test)
 
 
 def _check_token_ids(dataset, vocab_size: int, what: str, probes: int = 4) -> None:
@@ -130,8 +165,9 @@ def _micro_batches(loader, batch_builder) -> Iterator:
 
 
 def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0,
-                         consumed_valid_samples: int = 0) -> DataIterators:
-    """Micro-batch iterators for this data-parallel rank (see sampler.py for the order).
+                         consumed_valid_samples: int = 0, datasets: Optional[Datasets] = None) -> DataIterators:
+    """Micro-batch iterators for this data-parallel rank (see sampler.py for the order) over
+    `datasets` (default: build_datasets(cfg, tokenizer)).
 
     train starts at `consumed_samples` and stops after its samples; valid starts at
     `consumed_valid_samples` (a resumed run continues its validation stream); valid and test
@@ -139,7 +175,8 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
     """
     from megacoat.data.batch import BatchBuilder  # torch is imported here, not by the preprocessing tools
 
-    train_ds, valid_ds, test_ds = _build_datasets(cfg, tokenizer)
+    datasets = datasets or build_datasets(cfg, tokenizer)
+    train_ds, valid_ds, test_ds = datasets.train, datasets.valid, datasets.test
     collate = BatchBuilder(eod=tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss,
                            reset_position_ids=cfg.data.reset_position_ids,
                            reset_attention_mask=cfg.data.reset_attention_mask)
@@ -149,7 +186,6 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
         if ds is None:
             iters.append(None)
             continue
-        _check_token_ids(ds, tokenizer.vocab_size, name)
         start = {"train": consumed_samples, "valid": consumed_valid_samples}.get(name, 0)
         sampler = GlobalOrderBatchSampler(len(ds), start, mbs, gbs, dp_rank, dp_size, cyclic=name != "train")
         loader = _loader(ds, sampler, cfg.data.num_workers, cfg.train.exit_signal_handler)

@@ -5,26 +5,28 @@
 - `--train-data-path/--valid-data-path/--test-data-path`: one (weighted) blend per split, no split.
 - Samples per split: train = train_iters * gbs; valid = (train_iters // eval_interval + 1) *
   eval_iters * gbs; test = eval_iters * gbs.
+- A train split without documents is refused, naming the prefixes and the split; an empty
+  valid or test split gives no dataset (None).
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megacoat.config import ConfigError, split_fractions
 from megacoat.data.blended_dataset import BlendedDataset, component_sizes, normalize_weights
-from megacoat.data.gpt_dataset import GPTDataset, MockGPTDataset
+from megacoat.data.gpt_dataset import EmptySplitError, GPTDataset, MockGPTDataset
 from megacoat.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 
 SPLITS = ("train", "valid", "test")
 log = logging.getLogger("megacoat.data")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(ConfigError):
     """Data flags that cannot be satisfied (names the flags)."""
 
 
@@ -71,12 +73,10 @@ def _is_number(word: str) -> bool:
 
 def parse_split(split: str) -> List[float]:
     """'949,50,1' -> normalized fractions for train, valid, test (missing ones are 0)."""
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not parts or len(parts) > 3 or sum(parts) <= 0:
-        raise DataConfigError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 949,50,1")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    try:
+        return split_fractions(split)
+    except ConfigError as e:
+        raise DataConfigError(str(e)) from None
 
 
 def split_boundaries(fractions: Sequence[float], num_documents: int) -> List[int]:
@@ -102,18 +102,34 @@ def _open(prefix: str, flag: str) -> IndexedDataset:
 
 
 def _gpt(indexed: IndexedDataset, begin: int, end: int, num_samples: int, split: str, seq_length: int, seed: int,
-         cache_dir: str) -> Optional[GPTDataset]:
+         cache_dir: str, what: str) -> Optional[GPTDataset]:
     if num_samples == 0 or end <= begin:
         return None
     documents = np.arange(begin, end, dtype=np.int32)
-    return GPTDataset(indexed, documents, seq_length, num_samples, seed, split, cache_dir, log=log.info)
+    try:
+        return GPTDataset(indexed, documents, seq_length, num_samples, seed, split, cache_dir, log=log.info)
+    except EmptySplitError as e:  # documents, but (almost) no tokens: e.g. every input text was empty
+        raise DataConfigError(f"{what}: {e}") from None
 
 
-def _blend_of(parts: List[Optional[GPTDataset]], weights, size: int, what: str):
-    if all(p is None for p in parts):
+def _why_empty(prefix: str, num_samples: int, in_split: int, in_all: int) -> str:
+    if in_all == 0:
+        return f"{prefix} holds no documents"
+    if num_samples == 0:
+        return f"{prefix} has blend weight 0"
+    return f"{prefix} has {in_split} of its {in_all} documents in this split"
+
+
+def _blend_of(parts: List[Optional[GPTDataset]], empty: List[str], weights, size: int, what: str, split: str):
+    """The split's dataset from its parts (one per prefix); `empty` names the parts without documents.
+    Training needs documents in every part; a valid or test split without any is None."""
+    if empty and (split == "train" or len(empty) < len(parts)):
+        fix = ("check the input given to tools/preprocess_data.py (it reports the documents it wrote)"
+               if all(e.endswith("holds no documents") for e in empty) else "give this split a larger share of "
+               "--split, or use more documents")
+        raise DataConfigError(f"{what}: no {split} documents: {'; '.join(empty)}; {fix}")
+    if empty:
         return None
-    if any(p is None for p in parts):
-        raise DataConfigError(f"{what}: some prefixes have no documents in this split; adjust --split or the blend")
     if len(parts) == 1 and weights is None:
         return parts[0]
     return BlendedDataset(parts, weights, size)
@@ -124,24 +140,33 @@ def build_split_datasets(blend: Blend, split: str, sizes: Sequence[int], seq_len
     """Datasets for train/valid/test from one blend divided by --split."""
     fractions = parse_split(split)
     indexed = [_open(p, "--data-path") for p in blend.prefixes]
-    weights = _effective_weights(blend, indexed)
+    weights = _effective_weights(blend, indexed, "--data-path")
+    what = f"--data-path {' '.join(blend.prefixes)} --split {split}"
     per_split: List[List[Optional[GPTDataset]]] = [[], [], []]
-    for k, ds in enumerate(indexed):
+    empty: List[List[str]] = [[], [], []]
+    for k, (prefix, ds) in enumerate(zip(blend.prefixes, indexed)):
         bounds = split_boundaries(fractions, len(ds))
         for s in range(3):
             n = sizes[s] if weights is None else component_sizes(sizes[s], weights)[k]
-            per_split[s].append(_gpt(ds, bounds[s], bounds[s + 1], n, SPLITS[s], seq_length, seed, cache_dir))
-    return [_blend_of(per_split[s], weights, sizes[s], f"--data-path/--split {split} ({SPLITS[s]})")
+            part = _gpt(ds, bounds[s], bounds[s + 1], n, SPLITS[s], seq_length, seed, cache_dir, what)
+            per_split[s].append(part)
+            if part is None:
+                empty[s].append(_why_empty(prefix, n, bounds[s + 1] - bounds[s], len(ds)))
+    return [_blend_of(per_split[s], empty[s], weights, sizes[s], what, SPLITS[s]) if sizes[s] else None
             for s in range(3)]
 
 
-def _effective_weights(blend: Blend, indexed: List[IndexedDataset]):
+def _effective_weights(blend: Blend, indexed: List[IndexedDataset], flag: str):
     """Normalized blend weights; unweighted lists mix in proportion to their tokens; None for one prefix."""
     if blend.weights is not None:
         return normalize_weights(blend.weights)
     if len(indexed) == 1:
         return None
-    return normalize_weights([ds.num_tokens for ds in indexed])
+    tokens = [ds.num_tokens for ds in indexed]
+    if sum(tokens) == 0:
+        raise DataConfigError(f"{flag} {' '.join(blend.prefixes)}: no prefix holds any token; check the input given "
+                              "to tools/preprocess_data.py (it reports the documents it wrote)")
+    return normalize_weights(tokens)
 
 
 def build_blend_dataset(blend: Optional[Blend], split_name: str, size: int, seq_length: int, seed: int,
@@ -150,10 +175,13 @@ def build_blend_dataset(blend: Optional[Blend], split_name: str, size: int, seq_
     if blend is None or size == 0:
         return None
     indexed = [_open(p, flag) for p in blend.prefixes]
-    weights = _effective_weights(blend, indexed)
+    weights = _effective_weights(blend, indexed, flag)
     sizes = [size] if weights is None else component_sizes(size, weights)
-    parts = [_gpt(ds, 0, len(ds), n, split_name, seq_length, seed, cache_dir) for ds, n in zip(indexed, sizes)]
-    return _blend_of(parts, weights, size, flag)
+    what = f"{flag} {' '.join(blend.prefixes)}"
+    parts = [_gpt(ds, 0, len(ds), n, split_name, seq_length, seed, cache_dir, what) for ds, n in zip(indexed, sizes)]
+    empty = [_why_empty(p, n, len(ds), len(ds)) for p, n, ds, part in zip(blend.prefixes, sizes, indexed, parts)
+             if part is None]
+    return _blend_of(parts, empty, weights, size, what, split_name)
 
 
 def build_mock_datasets(vocab_size: int, sizes: Sequence[int], seq_length: int, seed: int):

@@ -34,6 +34,10 @@ INDEX_FORMAT_VERSION = 1  # bump when the index building changes, to invalidate 
 _FINAL_EPOCH_THRESHOLD = 0.80
 
 
+class EmptySplitError(ValueError):
+    """The documents of a split hold too few tokens for one sample."""
+
+
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
     if tokens_per_epoch <= 0:
         raise ValueError("the dataset has no tokens")
@@ -134,13 +138,13 @@ class GPTDataset:
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
                  split: str = "train", cache_dir: Optional[str] = None, log=None):
         if len(documents) == 0:
-            raise ValueError(f"{indexed.prefix}: the {split} split has no documents")
+            raise EmptySplitError(f"{indexed.prefix}: the {split} split has no documents")
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples_requested = num_samples
         tokens = int(indexed.sequence_lengths[documents].sum(dtype=np.int64))
         if tokens < 2:
-            raise ValueError(f"{indexed.prefix}: the {split} split has {tokens} tokens; a sample needs at least 2")
+            raise EmptySplitError(f"{indexed.prefix}: the {split} split has {tokens} tokens; a sample needs at least 2")
         self.document_index, self.sample_index, self.shuffle_index = load_or_build_indices(
             indexed.prefix, indexed.sequence_lengths, documents, seq_length, num_samples, seed, split, cache_dir, log)
 

@@ -308,3 +308,15 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     if bad:
         report(f"skipped {bad} bad line(s)")
     return PreprocessResult(prefixes, docs, bad, seen_bytes, tokens, time.perf_counter() - t0)
+
+
+def empty_output_warning(result: PreprocessResult) -> Optional[str]:
+    """A warning when the outputs hold no token (training on them is refused), saying why; else None."""
+    if result.tokens:
+        return None
+    what = "no documents" if result.documents == 0 else \
+        f"{result.documents} document(s) without a token (every text was empty)"
+    why = f"{result.bad_lines} bad line(s) were skipped under --skip-bad-lines" if result.bad_lines else \
+        "check --input, --json-keys and --input-format"
+    return (f"warning: wrote {what} to {', '.join(result.outputs.values())}: training on it will be refused "
+            f"({why})")
