@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, apply_checkpoint_args
 from ..config import MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
-from ..data import build_data_iterators, build_tokenizer, check_vocab_size
+from ..data import build_data_iterators, build_datasets, build_tokenizer, check_vocab_size
 from ..kernels import triton_available
 from ..model.flops import flops_per_token
 from ..model.gpt import padded_vocab_size
@@ -159,6 +159,8 @@ class Trainer:
         self.padded_vocab = padded_vocab_size(self.tokenizer.vocab_size, m.make_vocab_size_divisible_by,
                                               self.ctx.tp_size)
         check_vocab_size(self.tokenizer.vocab_size, self.padded_vocab)
+        # Before the model: empty training data (or data of another tokenizer) fails here, not at the first step.
+        self.datasets = build_datasets(cfg, self.tokenizer)
         compile_layers = cfg.train.torch_compile
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
@@ -235,7 +237,7 @@ class Trainer:
             self._iters = build_data_iterators(self.cfg, self.tokenizer, self.ctx.dp_rank, self.ctx.dp_size,
                                                consumed_samples=self.state.consumed_samples,
                                                consumed_valid_samples=consumed_valid_samples(
-                                                   self.cfg, self.state.iteration))
+                                                   self.cfg, self.state.iteration), datasets=self.datasets)
         return self._iters
 
     # ---------------------------------------------------------------------------------- steps
