@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, MegacoatConfig
+from ..config import MegacoatConfig
 from .collect import GROUP_SIZE, MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_ranges
 from .ownership import SaveDirLock, check_save_dir_is_ours, new_run_id
 from .retention import prune_checkpoints
@@ -255,11 +255,7 @@ class Checkpointer:
                  start_time: Optional[float] = None):
         """`start_time` (time.time() units): when the job started, for --exit-duration-in-mins, which
         counts start-up work (imports, model build, data, loading) too. Default: now."""
-        c = cfg.checkpoint
-        if c.save_interval is not None and c.save_interval < 1:
-            raise ConfigError("--save-interval must be >= 1.")
-        if (c.save_interval or c.async_save) and not c.save:
-            raise ConfigError("--save-interval/--async-save need --save DIR.")
+        c = cfg.checkpoint  # flags checked by config.validate_config
         self.cfg, self.full_cfg, self.ctx, self.log = c, cfg, ctx, log
         self.start_time = time.time() if start_time is None else start_time
         self.snapshot = HostSnapshot()

@@ -339,6 +339,12 @@ class Trainer:
         return t
 
     def train(self, on_step: Optional[Callable[["Trainer", StepRecord], None]] = None) -> TrainState:
+        try:
+            return self._train(on_step)
+        finally:  # the run is over, however it ended: another run (or a retry in this process) may take --save
+            self.checkpointer.release()
+
+    def _train(self, on_step) -> TrainState:
         cfg = self.cfg
         memory = self.optimizer.memory_report()
         copies = fp8_weight_copy_bytes(self.model)
