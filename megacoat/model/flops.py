@@ -5,8 +5,8 @@ Counted per token for forward + backward (3x the forward):
   embedding lookups excluded (they are not multiplies);
 - causal attention: QK^T and AV are 2 * 2 * s * d_attn per token forward, halved because
   only the lower triangle is computed: 6 * s * d_attn * layers for forward + backward.
-This is the convention of DESIGN.md section 8 (6 * params * tokens + attention term), with
-the embedding table left out because no FLOPs are spent on it.
+This is the usual convention (6 * params * tokens + attention term), with the embedding table left
+out because no FLOPs are spent on it.
 """
 from __future__ import annotations
 

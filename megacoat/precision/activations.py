@@ -1,4 +1,4 @@
-"""COAT's mixed-granularity FP8 activation path (DESIGN 5.3): fused norms and activations whose
+"""COAT's mixed-granularity FP8 activation path: fused norms and activations whose
 saved-for-backward tensors are FP8 with 1x16 per-group scales.
 
 Ops (each an autograd function over `torch.library` custom ops, so `torch.compile` keeps every
@@ -16,7 +16,7 @@ below elsewhere):
   the linear saves that FP8 copy, never the bf16 `y`.
 - `fp8_swiglu(h)` -> `(p, p_amax)`: `silu(gate) * up` of `h = [gate; up]` (last dim). Saved:
   gate and up as E4M3 1x16. The SiLU output is recomputed from the saved gate in backward (a
-  fused kernel does not need it stored: 0.5 bytes/element of ffn less than DESIGN 5.3's list).
+  fused kernel does not need it stored: 0.5 bytes/element of ffn less than storing it).
 - `fp8_activation(h, kind)` -> `(y, y_amax)`: SiLU or GELU (tanh). Saved: `h` as E4M3 1x16.
 
 All math is fp32; outputs are rounded once to the input dtype. Backward dequantizes the saved
@@ -33,7 +33,7 @@ from ..kernels import fp8 as fp8_quant_kernels
 from ..kernels import fp8_act as act_kernels
 from .fp8 import cast_tensorwise_reference, dequantize_1x16_reference, get_format, is_compiling, quantize_1x16_reference
 
-SAVE_FMT = "e4m3"  # forward activations are E4M3 (DESIGN 5.1)
+SAVE_FMT = "e4m3"  # forward activations are E4M3 (precision/fp8.py)
 ACTIVATIONS = ("silu", "gelu")
 
 

@@ -1,4 +1,4 @@
-"""FP8 formats and the one quantizer every caller uses (DESIGN 5.1).
+"""FP8 formats and the one quantizer every caller uses.
 
 - E4M3 (max 448) for weights and forward activations, E5M2 (max 57344) for gradients.
 - Just-in-time scaling: `scale = (amax + EPS) / fp8_max` (fp32, IEEE division on every device),

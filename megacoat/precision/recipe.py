@@ -6,7 +6,7 @@ optimizer). fp32: everything fp32. The default follows the device: bf16 on GPU, 
 (CPU bf16 matmuls are slow and the CPU path exists for correctness). FP8 (`--fp8-format`) needs
 bf16 parameters, so it makes bf16 the default on every device.
 
-FP8 (DESIGN 5): `--fp8-format hybrid` = E4M3 forward (weights, activations), E5M2 gradients;
+FP8: `--fp8-format hybrid` = E4M3 forward (weights, activations), E5M2 gradients;
 `e4m3` = E4M3 everywhere. `--fp8-recipe tensorwise` = FP8 GEMMs with just-in-time per-tensor
 scaling and bf16 saved activations; `coat` = the same GEMMs plus COAT's FP8 activation storage
 (fused FP8 norms, activations and residual adds; saved tensors in FP8). The output layer and
