@@ -25,13 +25,25 @@ def _cpp_extensions():
     return exts
 
 
-# CUDA C++ kernels of csrc/ (sm_90), built without --use_fast_math where they must match their torch
-# references bit for bit. Without a build they are compiled on first use (megacoat.kernels.cuda_ext).
-CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu"],
-                   "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu"],
-                   "megacoat._fp8_gemm": ["csrc/fp8_gemm.cu"]}
+# CUDA C++ kernels of csrc/ (.cu: nvcc; .cpp: the torch bindings and the cuBLASLt GEMM, host compiler only),
+# without --use_fast_math: they must match their torch references bit for bit. Without a build they are
+# compiled on first use (megacoat.kernels.cuda_ext).
+CUDA_EXTENSIONS = {"megacoat._fused_adamw": ["csrc/fused_adamw.cu", "csrc/fused_adamw_binding.cpp"],
+                   "megacoat._sdp4bit": ["csrc/sdp4bit_encode.cu", "csrc/sdp4bit_requantize.cu",
+                                         "csrc/sdp4bit_binding.cpp"],
+                   "megacoat._fp8_gemm": ["csrc/fp8_gemm.cpp"]}
 CUDA_LIBRARIES = {"megacoat._fp8_gemm": ["cublasLt"]}
-CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
+
+
+def _cuda_flags(torch) -> list:
+    """nvcc flags: machine code for this machine's GPU (sm_90a without one), as megacoat.kernels.cuda_ext.arch_flags;
+    with TORCH_CUDA_ARCH_LIST set, torch's own flags for the architectures it lists instead."""
+    flags = ["-O3", "-std=c++17"]
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return flags
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    arch = "%d%d" % tuple(cap) + ("a" if tuple(cap) == (9, 0) else "")
+    return flags + [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
 def _cuda_extensions():
@@ -47,7 +59,7 @@ def _cuda_extensions():
         return [], None
     if torch.version.cuda is None or CUDA_HOME is None:
         return [], None
-    exts = [CUDAExtension(name, srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": CUDA_FLAGS},
+    exts = [CUDAExtension(name, srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": _cuda_flags(torch)},
                           libraries=CUDA_LIBRARIES.get(name, []))
             for name, srcs in CUDA_EXTENSIONS.items() if all(os.path.exists(x) for x in srcs)]
     return exts, BuildExtension

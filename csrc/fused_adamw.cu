@@ -1,68 +1,64 @@
 // Fused AdamW step over a whole flat optimizer shard, with Adam moments in fp32, bf16 or COAT's
-// FP8 (E4M3 groups of 128 with per-group scale s, exponent k, centre c; DESIGN 5.4), writing the
-// updated bf16 weight in the same pass. One launch for the shard.
+// FP8 (E4M3 groups of 128 with per-group scale s, exponent k, centre c), writing the updated bf16
+// weight in the same pass. One launch for the shard. The torch binding is fused_adamw_binding.cpp.
 //
 // Layout: a persistent grid (as many blocks as fit on the GPU at once) whose warps loop over
-// units of 4 consecutive groups; 8 lanes share a group, each lane holds 16 of its elements as
-// 4 runs of 4 contiguous ones, 32 elements apart (per load instruction the 8 lanes of a group read
-// 128 contiguous bytes of the master). Why: the FP8 step was bound by instruction issue, not by
-// memory (one group per warp: ~2000 warp instructions per group with expansion, 4.2 ms per 2^28
-// elements on the H200), and over half of them were per group (powf, divisions and log2f for s, k, c)
-// or per launch (the bias corrections, the log2 table), run by every lane of a one-group warp.
-// Now the per-launch work runs once per thread, and the per-group work once per lane for 8
-// (group, moment) pairs: lanes 0-3 of a group work for m, lanes 4-7 for v, exchanging results by
-// shuffles. 16 independent elements per lane also give the loads and the math ILP.
+// units of consecutive groups; LANES lanes share a group (8: 16 elements each, as 4 runs of 4 contiguous
+// ones 32 elements apart, so that per load instruction the 8 lanes of a group read 128 contiguous bytes of
+// the master; 16: 8 elements each). Why: the FP8 step was bound by instruction issue, not by memory (one
+// group per warp: ~2000 warp instructions per group with expansion), and over half of them were per group
+// (divisions and log2f for s, k, c) or per launch (the bias corrections, the log2 table), run by every lane
+// of a one-group warp. Now the per-launch work runs once per thread, and the per-group work once per lane
+// for LANES (group, moment) pairs: the lower half of a group's lanes works for m, the upper half for v,
+// exchanging results by shuffles. Many independent elements per lane also give the loads and the math ILP.
 //
 // Numerics: the torch reference `megacoat.optim.fp8_adam.reference_step` is the specification.
 // Every fp32 operation here is the same IEEE-rounded operation in the same order (explicit __f*_rn
 // intrinsics: no FMA contraction, no fast math), pow/log2/exp2 are CUDA's powf/log2f/exp2f, which
 // torch's fp32 pow/log2/exp2 call on the GPU; so kernel and reference agree bit for bit. Changed
 // in form only: the max / nonzero-min reductions run in another order (exact operations) and the
-// fast form negates where the reference multiplies by sign(x) (same clamped value: see quant), and
+// expansion negates where the reference multiplies by sign(x) (same clamped value: see quant), and
 // sqrt(v) / bc2 is a multiplication by the rounded reciprocal plus Markstein's fma correction, which
-// gives the correctly rounded quotient (the division's bits). Build WITHOUT --use_fast_math (it would
-// swap them for the approximate intrinsics and flush denormals).
+// gives the correctly rounded quotient (the division's bits). The one approximation: FP8 moments run the
+// update's square root and reciprocal on the MUFU unit (Config::kFastUpdate; see ConfigFor). Build WITHOUT
+// --use_fast_math (it would swap the exact operations for the approximate intrinsics and flush denormals).
 //
 // The skip flag, the clip factor and the step count are read from device memory: the host never
 // waits. A skipped step (found_inf != 0) returns before touching anything.
 
-#include <torch/extension.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
+#include "fused_adamw.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
-#include <cuda_runtime.h>
 #include <math_constants.h>
-#include <stdint.h>
 
 #include <algorithm>
 
+namespace megacoat_adamw {
 namespace {
 
-constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * 32;
 
-// Variants (the `variant` argument of adamw_step): the same operations per element and per group
-// (bit-identical results), another work distribution, to trade ILP against occupancy on the GPU:
-//   LANES    lanes per group (8: 16 elements per lane, 4 groups per warp and iteration; 16: 8
-//            elements per lane, 2 groups: about half the registers, per-group work on twice the lanes)
-//   MIN_BLOCKS  __launch_bounds__ minimum blocks per SM (register cap 65536 / (256 MIN_BLOCKS))
-//   PREFETCH lane 0 asks L2 for the warp's next unit (bulk prefetch, no registers) before loading
-//            the current one: its DRAM latency overlaps this unit's arithmetic
+// A work distribution and update form; every one performs the same operations per element and per group.
+//   LANES        lanes per group (8: 16 elements per lane, 4 groups per warp and iteration; 16: 8
+//                elements per lane, 2 groups: about half the registers, per-group work on twice the lanes)
+//   MIN_BLOCKS   __launch_bounds__ minimum blocks per SM (register cap 65536 / (256 MIN_BLOCKS))
 //   FAST_UPDATE  the parameter update m / (sqrt(v) / bc2 + eps) with the hardware's approximate square
-//            root and reciprocal (one MUFU instruction each, <= 2 ulp) instead of the correctly rounded
-//            sqrt and division (~25 instructions per element with their slow-path checks). Only the
-//            master and the bf16 weight change (within 1e-6 relative of the reference: DESIGN 5.4's
-//            tolerance); the moments, their codes and s, k, c do not depend on the master, so they stay
-//            bit-identical to the reference.
-template <int LANES, int MIN_BLOCKS, bool PREFETCH, bool FAST_UPDATE = false, bool PIPELINE = false>
-struct Variant {
+//                root and reciprocal (one MUFU instruction each, <= 2 ulp) instead of the correctly rounded
+//                sqrt and division (~25 instructions per element with their slow-path checks). Only the
+//                master and the bf16 weight change (within 1e-6 relative of the reference); the moments,
+//                their codes and s, k, c do not depend on the master, so they stay bit-identical.
+//   PIPELINE     (FP8 moments) every load of the warp's next unit issued as cp.async into shared memory
+//                before the current unit's arithmetic: the copies need no registers while in flight, so
+//                the GPU no longer alternates between waiting for memory and issuing arithmetic (Nsight
+//                Compute found the unpipelined FP8 step at 127 registers, 2 blocks per SM, 42% of its stalls
+//                waiting on loads). Each lane reads back only what it copied itself, so no barrier.
+template <int LANES, int MIN_BLOCKS, bool FAST_UPDATE, bool PIPELINE>
+struct Config {
   static_assert(LANES == 8 || LANES == 16, "8 or 16 lanes per group");
-  static_assert(!(PIPELINE && PREFETCH), "the pipeline already loads the next unit ahead");
   static constexpr int kLanes = LANES;
   static constexpr int kMinBlocks = MIN_BLOCKS;
-  static constexpr bool kPrefetch = PREFETCH;
   static constexpr bool kFastUpdate = FAST_UPDATE;
   static constexpr bool kPipeline = PIPELINE;
   static constexpr int kGroupsPerWarp = 32 / LANES;  // groups per warp and loop iteration (a unit)
@@ -70,66 +66,20 @@ struct Variant {
   static constexpr int kPerLane = 4 * kRuns;         // elements per lane
   static constexpr int kRunStride = kGroup / kRuns;  // elements between a lane's runs
 };
-// 0 is the design above; the codec picks the fastest measured per format (FASTEST_VARIANT in
-// megacoat/optim/fp8_adam.py, from benchmarks/optimizer_bench.py on the H200). 0-3 are bit-identical
-// to the reference; 4-7 (FAST_UPDATE) match it within 1e-6 in the master, bit for bit elsewhere.
-using Variant0 = Variant<8, 2, false>;
-using Variant1 = Variant<8, 2, true>;
-using Variant2 = Variant<16, 3, false>;
-using Variant3 = Variant<16, 3, true>;
-using Variant4 = Variant<8, 2, false, true>;
-using Variant5 = Variant<16, 3, false, true>;
-// 6-7 (PIPELINE, FP8 moments only; other formats run 4 and 5's code): variants 4 and 5 with every load
-// of the warp's next unit issued as cp.async into shared memory before the current unit's arithmetic.
-// Nsight Compute found variant 4 at 127 registers, 2 blocks per SM (25% occupancy) with 42% of its stalls
-// waiting on loads, and its loop issues ~2200 instructions per unit (benchmarks/fused_adamw_sass.py):
-// with loads that block, the GPU alternates between waiting for memory and issuing arithmetic (59-60% of
-// HBM, 2026-12-01 s10). The copies need no registers while in flight; each lane reads back only what it
-// copied itself, so no barrier. L2 prefetch (1, 3) moved the data only halfway, and capping registers for
-// more blocks per SM (tried as 6-7 in session 10) was not clearly faster.
-using Variant6 = Variant<8, 2, false, true, true>;
-using Variant7 = Variant<16, 3, false, true, true>;
-constexpr int kNumVariants = 8;
 
-// kFp8Expand: COAT's form, (|x|/c)^k / s with powf and two divisions per element (reproduces COAT's
-// codes); kFp8ExpandFast: the same statistics, codes as exp2(k log2|x| - (k log2 c + log2 s)) and
-// values as exp2((log2|q| + log2 s) / k + log2 c) with log2|q| from a 256-entry table of codes and
-// log2|x| piecewise linear from the host's 1024-segment table (fp8_adam.log2_lut): per element and
-// moment two exp2f and a few fp32 operations instead of two powf and two divisions.
-enum Format : int { kFp32 = 0, kBf16 = 1, kFp8 = 2, kFp8Expand = 3, kFp8ExpandFast = 4 };
-
-struct Moment {
-  void* data;   // float / bf16 / uint8 codes, one per element
-  float* s;     // per group (fp8 only)
-  float* k;
-  float* c;
-};
-
-struct Args {
-  float* master;
-  // Chunks: runs of whole groups of the shard, each with its own gradient (float or bf16) and
-  // optional bf16 weight tensor of `numel` elements (the rest of its last group is padding).
-  const int64_t* group_start;     // [nchunks + 1]
-  const int64_t* grad_ptr;        // [nchunks] addresses
-  const int64_t* weight_ptr;      // [nchunks] addresses, 0: no weight to write
-  const int64_t* numel;           // [nchunks]
-  int nchunks;
-  const uint8_t* decay;           // per group: 1 = weight decay applies
-  Moment m, v;
-  const float* step;              // successful steps so far
-  const float* found_inf;
-  const float* coeff;             // clip factor
-  float lr, b1, ob1, b2, ob2, eps, wd, k16, kmax, tiny;
-  int64_t num_groups;
-  const float2* log2_tab;         // [kLog2Segments] (T0, T1): fp8_adam.log2_table (FAST only)
-};
-
-constexpr int kSegmentBits = 10;                   // fp8_adam._SEGMENT_BITS
-constexpr int kLog2Segments = 1 << kSegmentBits;  // fp8_adam.LOG2_SEGMENTS
-
-__device__ __forceinline__ float sign_of(float x) {
-  return (float)(x > 0.f) - (float)(x < 0.f);  // as the reference: 0 for +-0
-}
+// The configuration each moment format runs: the fastest measured for it on the H200 with 256M elements by
+// benchmarks/optimizer_bench.py (`--parts kernels` times these; the alternatives below were its `variants`
+// part, removed with them). fp32 moments: 16 lanes (2.06 ms against 2.09 with 8); bf16: 8 lanes (1.53 ms);
+// FP8 moments: 8 lanes, approximate update, pipelined loads (exp2 expansion with fp32 gradients 1.85 ms
+// against 1.94 unpipelined, with bf16 gradients 1.66 either way; absmax 1.39 ms against 1.47; the
+// approximate update had beaten the fastest exact distribution by 7-10%). fp32 and bf16 moments keep the
+// exact update, so their step equals the reference bit for bit (tests/test_fused_adamw_gpu.py checks both).
+using ExactWide = Config<16, 3, false, false>;
+using ExactNarrow = Config<8, 2, false, false>;
+using FastPipelined = Config<8, 2, true, true>;
+template <int FMT> struct ConfigFor { using type = FastPipelined; };
+template <> struct ConfigFor<kFp32> { using type = ExactWide; };
+template <> struct ConfigFor<kBf16> { using type = ExactNarrow; };
 
 __device__ __forceinline__ float fp8_to_float(uint32_t b) {
   __nv_fp8_e4m3 q;
@@ -146,17 +96,6 @@ __device__ __forceinline__ uint32_t float2_to_fp8x2(float x, float y) {
 // The lane `d` away (xor): with d = LANES / 2 the partner that holds the other moment.
 template <int D>
 __device__ __forceinline__ float shfl(float x) { return __shfl_xor_sync(0xffffffffu, x, D); }
-
-// Ask L2 for [p, p + bytes) (sm_90 bulk prefetch, a hint: nothing waits for it). Rounded out to
-// 16 bytes as the instruction needs; the rounding stays inside the same 16-byte block, so inside
-// the allocation's pages.
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-  if (bytes <= 0) return;
-  const uint64_t a = reinterpret_cast<uintptr_t>(p) & ~uint64_t(15);
-  const uint64_t e = (reinterpret_cast<uintptr_t>(p) + (uint64_t)bytes + 15) & ~uint64_t(15);
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((uint32_t)(e - a)) : "memory");
-}
-
 
 // exp2f without its denormal path: exp2f(x) is MUFU.EX2 for x >= -126 and, below, ex2(x / 2) squared
 // (4 instructions); this is the MUFU.EX2 alone (1), which gives the same bits for x >= -126 and 0 for
@@ -227,74 +166,55 @@ __device__ __forceinline__ uint2 float4_to_bf16x4(const float* x) {
   return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
 }
 
-// One moment's per-group numbers for dequantization: FAST (1/k, log2 s, log2 c), exact
-// expansion (1/k, s, c), absmax (-, s, -).
+// One moment's per-group numbers for dequantization: expansion (1/k, log2 s, log2 c), absmax (-, s, -).
 struct Dq {
   float inv_k, s, c;
 };
 
-// One moment's new per-group statistics; `a` = k log2 c + log2 s (FAST only).
+// One moment's new per-group statistics; `a` = k log2 c + log2 s (expansion only).
 struct Q {
   float s, k, c, a;
 };
 
-// The lane's moment's numbers for a group from its stored s, k, c. FAST: the LANES/2 lanes of a (group,
+// The lane's moment's numbers for a group from its stored s, k, c (expansion). The LANES/2 lanes of a (group,
 // moment) share the two log2f, the upper half taking log2 c, the lower log2 s (the same calls on the same inputs).
-template <int FMT, int Q4>
+template <int Q4>
 __device__ __forceinline__ Dq dequant_params(float s, float k, float c, int sub) {
-  constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
-  Dq d{1.f, s, 1.f};
-  if (EXPAND) {
-    d.inv_k = __fdiv_rn(1.f, k);
-    d.c = c;
-  }
-  if (FAST) {
-    const bool hi = sub & Q4;
-    const float l = log2f(hi ? d.c : d.s), lo = shfl<Q4>(l);
-    d.s = hi ? lo : l;
-    d.c = hi ? l : lo;
-  }
-  return d;
+  const float inv_k = __fdiv_rn(1.f, k);
+  const bool hi = sub & Q4;
+  const float l = log2f(hi ? c : s), lo = shfl<Q4>(l);
+  return Dq{inv_k, hi ? lo : l, hi ? l : lo};
 }
 
-// fp32 value of code b (low 8 bits) under the group's numbers. `tab` (FAST only): per code, log2f
+// fp32 value of code b (low 8 bits) under the group's numbers. `tab` (expansion only): per code, log2f
 // of its magnitude and the sign of its value (0 for +-0), one shared load for both.
 template <int FMT>
 __device__ __forceinline__ float dequant(uint32_t b, const Dq& d, const float2* tab) {
-  if (FMT == kFp8ExpandFast) {
+  if (FMT == kFp8Expand) {
     const float2 t = tab[b & 0xff];
     // exp2 without denormals, as the reference (fp8_adam.dequantize_groups flushes results below 2^-126)
     return __fmul_rn(t.y, exp2_ftz(__fadd_rn(__fmul_rn(__fadd_rn(t.x, d.s), d.inv_k), d.c)));
   }
-  float y = __fmul_rn(fp8_to_float(b & 0xff), d.s);
-  if (FMT == kFp8Expand) y = __fmul_rn(__fmul_rn(sign_of(y), powf(fabsf(y), d.inv_k)), d.c);
-  return y;
+  return __fmul_rn(fp8_to_float(b & 0xff), d.s);
 }
 
-// New statistics of a group from its max and true nonzero min of |x| (DESIGN 5.4, capped k).
-// FAST: log2 c (for a) and log2 R share one log2f over the lanes of the (group, moment).
+// New statistics of a group from its max and true nonzero min of |x| (fp8_adam.group_stats, k capped).
+// Expansion: log2 c (for a) and log2 R share one log2f over the lanes of the (group, moment).
 template <int FMT, int Q4>
 __device__ __forceinline__ Q group_stats(float mx, float mn, const Args& A, int sub) {
-  constexpr bool EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
   mx = __fadd_rn(mx, A.tiny);
   mn = __fadd_rn(isinf(mn) ? 0.f : mn, A.tiny);
   Q q{0.f, 1.f, 1.f, 0.f};
-  if (EXPAND) {
+  if (FMT == kFp8Expand) {
     q.c = __fmul_rn(__fsqrt_rn(mx), __fsqrt_rn(mn));
     const float r = __fdiv_rn(mx, mn);
-    float log2r, log2c = 0.f;
-    if (FAST) {
-      const bool hi = sub & Q4;
-      const float l = log2f(hi ? q.c : r), lo = shfl<Q4>(l);
-      log2r = hi ? lo : l;
-      log2c = hi ? l : lo;
-    } else {
-      log2r = log2f(r);
-    }
+    const bool hi = sub & Q4;
+    const float l = log2f(hi ? q.c : r), lo = shfl<Q4>(l);
+    const float log2r = hi ? lo : l, log2c = hi ? l : lo;
     float k = __fdiv_rn(floorf(__fdiv_rn(A.k16, log2r)), 16.f);  // k16 / 0 = inf: capped next
     q.k = fminf(fmaxf(k, 0.0625f), A.kmax);  // 1/16 when R overflows fp32 (k = 0), the cap when R = 1
     q.s = __fdiv_rn(powf(__fdiv_rn(mx, q.c), q.k), 448.f);
-    if (FAST) q.a = __fadd_rn(__fmul_rn(q.k, log2c), log2f(q.s));
+    q.a = __fadd_rn(__fmul_rn(q.k, log2c), log2f(q.s));
   } else {
     q.s = __fdiv_rn(mx, 448.f);
   }
@@ -316,18 +236,13 @@ __device__ __forceinline__ float log2_lut(float x, const float2* tab) {
 // |y| > 448 become +-448, exactly the reference's clamp to +-448; no clamp instructions here).
 template <int FMT>
 __device__ __forceinline__ float quant(float x, const Q& q, const float2* lg_tab) {
-  float y;
-  if (FMT == kFp8ExpandFast) {
+  if (FMT == kFp8Expand) {
     // log2(0) = -inf -> exp2 -> 0: zeros stay zero. The reference multiplies by sign(x); negating
     // where x < 0 gives the same code (e >= 0; x = +-0: e is 0), one instruction instead of four.
     const float e = exp2_ftz(__fsub_rn(__fmul_rn(q.k, log2_lut(x, lg_tab)), q.a));
-    y = x < 0.f ? -e : e;
-  } else {
-    y = x;
-    if (FMT == kFp8Expand) y = __fmul_rn(sign_of(y), powf(__fdiv_rn(fabsf(y), q.c), q.k));
-    y = __fdiv_rn(y, q.s);
+    return x < 0.f ? -e : e;
   }
-  return y;
+  return __fdiv_rn(x, q.s);
 }
 
 // The chunk holding group g, looked up only when g leaves the current one (a lane's groups only
@@ -385,7 +300,7 @@ __device__ __forceinline__ bool grad_vectors(const ChunkCursor<G>& chunk, const 
   return chunk.grad_vec && w.rem >= (V::kRuns - 1) * V::kRunStride + 4;
 }
 
-// ---- the pipeline (Variant::kPipeline): cp.async copies global -> shared, 4, 8 or 16 bytes each
+// ---- the pipeline (Config::kPipeline): cp.async copies global -> shared, 4, 8 or 16 bytes each
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 template <int BYTES>
@@ -409,19 +324,16 @@ struct Stage {
   float nums[4][kThreads];  // expansion: the lane's moment's s, k, c; absmax: m's s, v's s; [3]: the decay word
 };
 
-template <int FMT, typename V>
-__host__ __device__ constexpr bool pipelined() { return V::kPipeline && FMT >= kFp8; }
-
 // Shared memory a launch needs beyond the static tables: two stages when pipelined.
-template <int FMT, typename G, typename V>
-__host__ __device__ constexpr int pipeline_bytes() { return pipelined<FMT, V>() ? 2 * (int)sizeof(Stage<G, V>) : 0; }
+template <typename G, typename V>
+__host__ __device__ constexpr int pipeline_bytes() { return V::kPipeline ? 2 * (int)sizeof(Stage<G, V>) : 0; }
 
 // Issue the copies of the lane's part of a unit (no wait). The decay flag comes as the aligned 4-byte word
 // that holds it (cp.async copies 4 bytes at least; the word stays inside the flag tensor's allocation).
 template <int FMT, typename G, typename V>
 __device__ __forceinline__ void copy_unit(const Args& A, const ChunkCursor<G>& chunk, const Where& w,
                                           Stage<G, V>& st, int tid, bool is_v) {
-  constexpr bool EXPAND = FMT >= kFp8Expand;
+  constexpr bool EXPAND = FMT == kFp8Expand;
 #pragma unroll
   for (int j = 0; j < V::kRuns; ++j) {
     const int64_t o = w.e + j * V::kRunStride;
@@ -446,18 +358,19 @@ __device__ __forceinline__ void copy_unit(const Args& A, const ChunkCursor<G>& c
   cp_async<4>(&st.nums[3][tid], reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(A.decay + w.g) & ~uintptr_t(3)));
 }
 
-template <int FMT, typename G, bool WRITE_WEIGHT, typename V>
+template <int FMT, typename G, typename V>
 __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Args A) {
-  constexpr bool FP8 = FMT >= kFp8, EXPAND = FMT >= kFp8Expand, FAST = FMT == kFp8ExpandFast;
-  constexpr bool PIPE = pipelined<FMT, V>();
+  constexpr bool FP8 = FMT == kFp8 || FMT == kFp8Expand, EXPAND = FMT == kFp8Expand;
+  constexpr bool PIPE = V::kPipeline;
+  static_assert(!PIPE || FP8, "the pipeline copies FP8 moments");
   constexpr int kLanes = V::kLanes, kRuns = V::kRuns;
   constexpr int kPerLane = V::kPerLane, kRunStride = V::kRunStride;
   constexpr int kHalf = kLanes / 2, kQuarter = kLanes / 4;  // partner (other moment), log2 split
   if (*A.found_inf != 0.f) return;  // skipped step: nothing changes (uniform over the block)
-  __shared__ float2 tab[FAST ? 256 : 1];
-  __shared__ float2 lg_tab[FAST ? kLog2Segments : 1];
+  __shared__ float2 tab[EXPAND ? 256 : 1];
+  __shared__ float2 lg_tab[EXPAND ? kLog2Segments : 1];
   extern __shared__ __align__(16) unsigned char pipeline_smem[];  // two Stages when PIPE
-  if (FAST) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
+  if (EXPAND) {  // log2f of every E4M3 magnitude (the fp32 values torch.log2 gives) and the code's sign
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       const uint32_t mag = i & 0x7f;
       tab[i] = make_float2(log2f(fp8_to_float(mag)), mag == 0 ? 0.f : ((i & 0x80) ? -1.f : 1.f));
@@ -490,20 +403,6 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
     const Where w = locate<G, V>(A, chunk, u, slot, sub);
     const int64_t g = w.g, e = w.e, local = w.local, rem = w.rem;
     const bool valid = w.valid;
-    if (V::kPrefetch && lane == 0) {  // the warp's next unit: master, moments, gradient in this chunk
-      const int64_t g0 = (u + nwarps) * V::kGroupsPerWarp;
-      if (g0 < A.num_groups) {
-        const int64_t ng = A.num_groups - g0, n = (ng < V::kGroupsPerWarp ? ng : V::kGroupsPerWarp) * kGroup;
-        constexpr int mb = FP8 ? 1 : FMT == kBf16 ? 2 : 4;  // bytes per moment element
-        prefetch_l2(A.master + g0 * kGroup, n * 4);
-        prefetch_l2(static_cast<const uint8_t*>(A.m.data) + g0 * kGroup * mb, n * mb);
-        prefetch_l2(static_cast<const uint8_t*>(A.v.data) + g0 * kGroup * mb, n * mb);
-        if (g0 < chunk.end) {
-          const int64_t l0 = (g0 - chunk.start) * kGroup;
-          prefetch_l2(chunk.grad + l0, ((l0 + n < chunk.numel ? l0 + n : chunk.numel) - l0) * (int64_t)sizeof(G));
-        }
-      }
-    }
 
     // ---- loads: everything this lane needs, issued before any arithmetic (PIPE: the next unit's copies
     // issued, this unit's waited for and read back from shared memory)
@@ -581,8 +480,8 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       dv.s = PIPE ? nums[1] : A.v.s[g];
     } else if (EXPAND) {
       const Moment& M = is_v ? A.v : A.m;
-      const Dq mine = PIPE ? dequant_params<FMT, kQuarter>(nums[0], nums[1], nums[2], sub)
-                           : dequant_params<FMT, kQuarter>(M.s[g], M.k[g], M.c[g], sub);
+      const Dq mine = PIPE ? dequant_params<kQuarter>(nums[0], nums[1], nums[2], sub)
+                           : dequant_params<kQuarter>(M.s[g], M.k[g], M.c[g], sub);
       const Dq other{shfl<kHalf>(mine.inv_k), shfl<kHalf>(mine.s), shfl<kHalf>(mine.c)};
       dm = is_v ? other : mine;
       dv = is_v ? mine : other;
@@ -623,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
       for (int j = 0; j < kRuns; ++j)
         *reinterpret_cast<float4*>(A.master + e + j * kRunStride) =
             make_float4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
-      if (WRITE_WEIGHT && chunk.weight != nullptr) {
+      if (chunk.weight != nullptr) {
         if (chunk.weight_vec && rem >= (kRuns - 1) * kRunStride + 4) {
 #pragma unroll
           for (int j = 0; j < kRuns; ++j)
@@ -678,14 +577,9 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
     }
     const Q mine = group_stats<FMT, kQuarter>(mx, mn, A, sub);
     Q other = mine;
-    if (EXPAND) {
+    if (EXPAND) {  // quant needs k and a
       other.k = shfl<kHalf>(mine.k);
-      if (FAST) {
-        other.a = shfl<kHalf>(mine.a);
-      } else {
-        other.s = shfl<kHalf>(mine.s);
-        other.c = shfl<kHalf>(mine.c);
-      }
+      other.a = shfl<kHalf>(mine.a);
     } else {
       other.s = shfl<kHalf>(mine.s);
     }
@@ -714,115 +608,53 @@ __global__ void __launch_bounds__(kThreads, V::kMinBlocks) adamw_kernel(const Ar
   }
 }
 
-template <int FMT, typename G, bool W, typename V>
-void launch(const Args& A, cudaStream_t stream) {
-  if (A.num_groups == 0) return;
-  constexpr int smem = pipeline_bytes<FMT, G, V>();
-  // Opt in to the pipeline's dynamic shared memory: static + dynamic above 48 KiB needs it (variant 6: 88 KiB,
-  // 7: 48 KiB + the FAST tables). At every launch: the attribute belongs to the current device, and it is cheap.
+#define RETURN_IF_ERROR(call)                \
+  do {                                       \
+    const cudaError_t err_ = (call);         \
+    if (err_ != cudaSuccess) return err_;    \
+  } while (0)
+
+template <int FMT, typename G>
+cudaError_t launch(const Args& A, cudaStream_t stream) {
+  using V = typename ConfigFor<FMT>::type;
+  if (A.num_groups == 0) return cudaSuccess;
+  constexpr int smem = pipeline_bytes<G, V>();
+  // Opt in to the pipeline's dynamic shared memory: static + dynamic above 48 KiB needs it (88 KiB here).
+  // At every launch: the attribute belongs to the current device, and it is cheap.
   if (smem > 0)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(adamw_kernel<FMT, G, W, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    RETURN_IF_ERROR(cudaFuncSetAttribute(adamw_kernel<FMT, G, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Persistent grid: the blocks that fit on the GPU at once (fewer for a small shard). Asked once per
   // kernel (the first device's answer kept: one GPU model per process).
-  static const int per_sm = [] {
+  static int per_sm = 0;
+  if (per_sm == 0) {
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, W, V>, kThreads, smem));
-    return std::max(n, 1);
-  }();
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adamw_kernel<FMT, G, V>, kThreads, smem));
+    per_sm = std::max(n, 1);
+  }
   int dev = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  RETURN_IF_ERROR(cudaGetDevice(&dev));
+  RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int64_t units = (A.num_groups + V::kGroupsPerWarp - 1) / V::kGroupsPerWarp;
   const int64_t blocks = std::min<int64_t>((units + kWarpsPerBlock - 1) / kWarpsPerBlock, (int64_t)per_sm * sms);
-  adamw_kernel<FMT, G, W, V><<<(unsigned)blocks, kThreads, smem, stream>>>(A);
+  adamw_kernel<FMT, G, V><<<(unsigned)blocks, kThreads, smem, stream>>>(A);
+  return cudaGetLastError();
 }
 
-template <int FMT, typename V>
-void dispatch_dtypes(const Args& A, bool bf16_grad, cudaStream_t stream) {
-  if (bf16_grad) launch<FMT, __nv_bfloat16, true, V>(A, stream); else launch<FMT, float, true, V>(A, stream);
-}
-
-template <typename V>
-void dispatch_format(const Args& A, int64_t fmt, bool bf16, cudaStream_t stream) {
-  switch (fmt) {  // weights are always written where a chunk has them (WRITE_WEIGHT: compile-time skip when none)
-    case kFp32: dispatch_dtypes<kFp32, V>(A, bf16, stream); break;
-    case kBf16: dispatch_dtypes<kBf16, V>(A, bf16, stream); break;
-    case kFp8: dispatch_dtypes<kFp8, V>(A, bf16, stream); break;
-    case kFp8Expand: dispatch_dtypes<kFp8Expand, V>(A, bf16, stream); break;
-    default: dispatch_dtypes<kFp8ExpandFast, V>(A, bf16, stream); break;
-  }
-}
-
-void check(bool ok, const char* what) { TORCH_CHECK(ok, "megacoat fused_adamw: ", what); }
-
-bool aligned16(const torch::Tensor& t) { return t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-Moment moment_of(torch::Tensor data, torch::Tensor s, torch::Tensor k, torch::Tensor c) {
-  check(data.is_cuda() && data.is_contiguous() && aligned16(data), "moment data must be contiguous CUDA tensors");
-  auto ptr = [](torch::Tensor t) { return t.numel() ? t.data_ptr<float>() : nullptr; };
-  return Moment{data.data_ptr(), ptr(s), ptr(k), ptr(c)};
+template <int FMT>
+cudaError_t launch_for_grad(const Args& A, bool bf16_grad, cudaStream_t stream) {
+  return bf16_grad ? launch<FMT, __nv_bfloat16>(A, stream) : launch<FMT, float>(A, stream);
 }
 
 }  // namespace
 
-void adamw_step(torch::Tensor master, torch::Tensor chunks, int64_t grad_is_bf16, torch::Tensor decay,
-                torch::Tensor m_data, torch::Tensor m_s, torch::Tensor m_k, torch::Tensor m_c, torch::Tensor v_data,
-                torch::Tensor v_s, torch::Tensor v_k, torch::Tensor v_c, int64_t fmt, torch::Tensor step,
-                torch::Tensor found_inf, torch::Tensor coeff, double lr, double b1, double ob1, double b2, double ob2,
-                double eps, double wd, double k16, double kmax, double tiny, torch::Tensor log2_tab, int64_t variant) {
-  // chunks: int64 [4, nchunks + 1] on the device: group starts (nchunks + 1), gradient addresses,
-  // weight addresses (0: none), element counts.
-  check(master.is_cuda() && master.scalar_type() == at::kFloat && master.is_contiguous() && aligned16(master),
-        "master must be a contiguous fp32 CUDA tensor");
-  check(master.numel() % kGroup == 0, "the shard must hold whole groups of 128 elements");
-  check(chunks.is_cuda() && chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(0) == 4 &&
-        chunks.is_contiguous() && chunks.size(1) >= 2, "chunk table: int64 CUDA tensor [4, nchunks + 1]");
-  check(decay.scalar_type() == at::kBool && decay.numel() == master.numel() / kGroup, "one decay flag per group");
-  check(fmt >= 0 && fmt <= 4, "unknown moment format");
-  check(variant >= 0 && variant < kNumVariants, "unknown kernel variant");
-  check(fmt != kFp8ExpandFast || (log2_tab.is_cuda() && log2_tab.scalar_type() == at::kFloat &&
-                                  log2_tab.is_contiguous() && log2_tab.numel() == 2 * kLog2Segments &&
-                                  aligned16(log2_tab) && log2_tab.get_device() == master.get_device()),
-        "log2 table: the contiguous fp32 CUDA tensor [1024, 2] of fp8_adam.log2_table on the master's device");
-  const int64_t stride = chunks.size(1);
-  const int64_t* table = chunks.data_ptr<int64_t>();
-  Args A;
-  A.master = master.data_ptr<float>();
-  A.group_start = table;
-  A.grad_ptr = table + stride;
-  A.weight_ptr = table + 2 * stride;
-  A.numel = table + 3 * stride;
-  A.nchunks = (int)(stride - 1);
-  A.decay = reinterpret_cast<const uint8_t*>(decay.data_ptr<bool>());
-  A.m = moment_of(m_data, m_s, m_k, m_c);
-  A.v = moment_of(v_data, v_s, v_k, v_c);
-  A.step = step.data_ptr<float>();
-  A.found_inf = found_inf.data_ptr<float>();
-  A.coeff = coeff.data_ptr<float>();
-  A.lr = (float)lr; A.b1 = (float)b1; A.ob1 = (float)ob1; A.b2 = (float)b2; A.ob2 = (float)ob2;
-  A.eps = (float)eps; A.wd = (float)wd; A.k16 = (float)k16; A.kmax = (float)kmax; A.tiny = (float)tiny;
-  A.num_groups = master.numel() / kGroup;
-  A.log2_tab = fmt == kFp8ExpandFast ? reinterpret_cast<const float2*>(log2_tab.data_ptr<float>()) : nullptr;
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool bf16 = grad_is_bf16 != 0;
-  switch (variant) {
-    case 1: dispatch_format<Variant1>(A, fmt, bf16, stream); break;
-    case 2: dispatch_format<Variant2>(A, fmt, bf16, stream); break;
-    case 3: dispatch_format<Variant3>(A, fmt, bf16, stream); break;
-    case 4: dispatch_format<Variant4>(A, fmt, bf16, stream); break;
-    case 5: dispatch_format<Variant5>(A, fmt, bf16, stream); break;
-    case 6: dispatch_format<Variant6>(A, fmt, bf16, stream); break;
-    case 7: dispatch_format<Variant7>(A, fmt, bf16, stream); break;
-    default: dispatch_format<Variant0>(A, fmt, bf16, stream); break;
+cudaError_t launch_adamw_step(const Args& A, int fmt, bool grad_is_bf16, cudaStream_t stream) {
+  switch (fmt) {
+    case kFp32: return launch_for_grad<kFp32>(A, grad_is_bf16, stream);
+    case kBf16: return launch_for_grad<kBf16>(A, grad_is_bf16, stream);
+    case kFp8: return launch_for_grad<kFp8>(A, grad_is_bf16, stream);
+    case kFp8Expand: return launch_for_grad<kFp8Expand>(A, grad_is_bf16, stream);
+    default: return cudaErrorInvalidValue;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "Fused AdamW step over a flat shard (fp32/bf16/FP8 moments, bf16 weight out)",
-        py::arg("master"), py::arg("chunks"), py::arg("grad_is_bf16"), py::arg("decay"), py::arg("m_data"),
-        py::arg("m_s"), py::arg("m_k"), py::arg("m_c"), py::arg("v_data"), py::arg("v_s"), py::arg("v_k"),
-        py::arg("v_c"), py::arg("fmt"), py::arg("step"), py::arg("found_inf"), py::arg("coeff"), py::arg("lr"),
-        py::arg("b1"), py::arg("ob1"), py::arg("b2"), py::arg("ob2"), py::arg("eps"), py::arg("wd"), py::arg("k16"),
-        py::arg("kmax"), py::arg("tiny"), py::arg("log2_tab"), py::arg("variant") = 0);
-}
+}  // namespace megacoat_adamw

@@ -1,6 +1,6 @@
 """The fast (exp2/log2) form of COAT's dynamic range expansion against the exact (powf) form.
 
-The fast form (default of PrecisionAwareAdamW; fp8_adam.quantize_groups) computes the same group
+The fast form (the one PrecisionAwareAdamW runs; fp8_adam.quantize_groups) computes the same group
 statistics (s, k, c: the same function) and evaluates (|x|/c)^k / s as exp2(k log2|x| - (k log2 c
 + log2 s)) and the inverse as exp2((log2|q| + log2 s) / k + log2 c). Both are the same real
 function; only fp32 rounding differs. The exponent is at most ~|k log2|x|| in magnitude, so its
@@ -107,8 +107,18 @@ def test_fast_statistics_identical_for_the_same_input():
     torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-9)
 
 
+def _exact_form_codec(init, grad, cfg):
+    """The CPU codec with its moments in COAT's powf form (the reference's fast=False; the library runs the
+    fast form only): its step is the reference step on them."""
+    codec = PrecisionAwareAdamW(init.clone(), [Chunk(0, init.numel(), grad)],
+                                torch.ones(init.numel() // GROUP, dtype=torch.bool), cfg, "fp8", "fp8", True)
+    codec.m = MomentState("fp8", init.numel(), "cpu", True, fast=False)
+    codec.v = MomentState("fp8", init.numel(), "cpu", True, fast=False)
+    return codec
+
+
 def test_fast_adam_trajectory_tracks_exact():
-    """30 Adam steps, the codec end to end, exact vs fast form vs fp32 states. The states are lossy
+    """30 Adam steps, exact vs fast form vs fp32 states (the CPU codec's step). The states are lossy
     either way; the two forms differ by occasional one-step code flips (the loaded values differ by
     ~1e-5, which moves some values across a rounding boundary; the moments' decay then carries the
     difference for a while). Asserted: the distance between the two forms' parameters is a small
@@ -118,11 +128,15 @@ def test_fast_adam_trajectory_tracks_exact():
     g0 = torch.Generator().manual_seed(7)
     init = torch.randn(n, generator=g0) * 0.02
     codecs = []
-    for fmt, fast in (("fp32", False), ("fp8", False), ("fp8", True)):
+    for fmt in ("fp32", "fp8 exact", "fp8"):
         grad = torch.zeros(n)
-        codec = PrecisionAwareAdamW(init.clone(), [Chunk(0, n, grad)], torch.ones(n // GROUP, dtype=torch.bool), cfg,
-                                    fmt, fmt, True, fast_expansion=fast)
+        if fmt == "fp8 exact":
+            codec = _exact_form_codec(init, grad, cfg)
+        else:
+            codec = PrecisionAwareAdamW(init.clone(), [Chunk(0, n, grad)], torch.ones(n // GROUP, dtype=torch.bool),
+                                        cfg, fmt, fmt, True)
         codecs.append((codec, grad))
+    assert not codecs[1][0].m.fast and codecs[2][0].m.fast
     same_codes, same_k = [], []
     for t in range(30):
         scale = torch.exp(torch.randn(n // GROUP, 1, generator=g0) * 1.5).repeat(1, GROUP).view(-1)
@@ -151,16 +165,15 @@ def test_reference_traces_without_graph_breaks():
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(200, generator=g), torch.randn(100, generator=g)]
     chunks = [Chunk(0, 2 * GROUP, grads[0], torch.zeros(200, dtype=torch.bfloat16)), Chunk(2 * GROUP, n, grads[1])]
-    for fast in (True, False):
-        a = PrecisionAwareAdamW(torch.randn(n, generator=g) * 0.02, chunks, torch.ones(3, dtype=torch.bool), cfg,
-                                "fp8", "fp8", True, fast_expansion=fast)
-        b = PrecisionAwareAdamW(a.master.clone(), chunks, a.group_decay, cfg, "fp8", "fp8", True, fast_expansion=fast)
-        compiled = torch.compile(_reference_with_skip, fullgraph=True, dynamic=False, backend="eager")
-        for t in range(3):
-            lr = torch.tensor(1e-3 * (t + 1))             # the fallback passes lr as a tensor
-            compiled(a, lr, torch.tensor(0.5), torch.tensor(float(t == 1)))   # step 1 is skipped
-            _reference_with_skip(b, lr, torch.tensor(0.5), torch.tensor(float(t == 1)))
-        assert torch.equal(a.master, b.master) and torch.equal(a.m.data, b.m.data) and torch.equal(a.v.k, b.v.k)
+    a = PrecisionAwareAdamW(torch.randn(n, generator=g) * 0.02, chunks, torch.ones(3, dtype=torch.bool), cfg,
+                            "fp8", "fp8", True)
+    b = PrecisionAwareAdamW(a.master.clone(), chunks, a.group_decay, cfg, "fp8", "fp8", True)
+    compiled = torch.compile(_reference_with_skip, fullgraph=True, dynamic=False, backend="eager")
+    for t in range(3):
+        lr = torch.tensor(1e-3 * (t + 1))             # the fallback passes lr as a tensor
+        compiled(a, lr, torch.tensor(0.5), torch.tensor(float(t == 1)))   # step 1 is skipped
+        _reference_with_skip(b, lr, torch.tensor(0.5), torch.tensor(float(t == 1)))
+    assert torch.equal(a.master, b.master) and torch.equal(a.m.data, b.m.data) and torch.equal(a.v.k, b.v.k)
 
 
 def test_log2_lut_accuracy_and_edges():

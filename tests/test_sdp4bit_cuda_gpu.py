@@ -58,8 +58,8 @@ def _run_both(src, case, bits, had, key):
 
 def test_extension_builds():
     if K.cuda_extension() is None:
-        pytest.fail("csrc/sdp4bit_encode.cu did not build or is disabled (MEGACOAT_NO_CUDA_EXT / "
-                    "MEGACOAT_SDP4BIT_NO_CUDA): see the warning above")
+        pytest.fail("the SDP4Bit CUDA extension (csrc/sdp4bit_*) did not build or is disabled (MEGACOAT_NO_CUDA_EXT): "
+                    "see the warning above")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -242,9 +242,8 @@ def test_cuda_requant_large():
     assert ran and torch.equal(ref, got) and torch.equal(tri, got)
 
 
-def test_cuda_requant_grid_loop_and_dispatch(monkeypatch):
-    """A capped grid (warps loop) gives the same bytes; the public entry point uses the CUDA kernel once
-    it is marked verified (kernels/sdp4bit.py REQUANTIZE_CUDA_VERIFIED);
+def test_cuda_requant_grid_loop_and_dispatch():
+    """A capped grid (warps loop) gives the same bytes; the public entry point uses the CUDA kernel;
     uncovered cases (8-bit output, G_IN 96 or 16, G_OUT 1024, CPU tensors) return False and the
     dispatcher's Triton fallback still matches the reference."""
     if K.cuda_extension() is None:
@@ -257,7 +256,6 @@ def test_cuda_requant_grid_loop_and_dispatch(monkeypatch):
         assert ran and torch.equal(ref, got), blocks
     nd, m = 2, 40 * 1024
     out = torch.zeros(nd, C.message_bytes(m, 4, 128), dtype=torch.uint8, device="cuda")
-    monkeypatch.setattr(K, "REQUANTIZE_CUDA_VERIFIED", True)
     C.reduce_requantize(msgs, out, nd * m, 8, 128, 4, 128, nd, key)  # the public entry point
     assert torch.equal(out, ref)
 

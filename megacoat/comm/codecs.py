@@ -30,7 +30,6 @@ so the inverse is H x / 32. The butterfly order is part of the specification (th
 """
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
@@ -268,11 +267,8 @@ def apply_delta_reference(msgs: torch.Tensor, weights: torch.Tensor, bits: int, 
 
 # --------------------------------------------------------------------------------- dispatch
 def use_kernels(t: torch.Tensor) -> bool:
-    """Triton kernels on CUDA tensors when Triton is present (MEGACOAT_NO_TRITON=1: references).
-    MEGACOAT_SDP4BIT_INTERPRET=1 also runs them on CPU tensors (with TRITON_INTERPRET=1; tests)."""
-    if not _kernels.available():
-        return False
-    return t.is_cuda or os.environ.get("MEGACOAT_SDP4BIT_INTERPRET") == "1"
+    """Triton kernels on CUDA tensors when Triton is present (MEGACOAT_NO_TRITON=1: references)."""
+    return t.is_cuda and _kernels.available()
 
 
 def encode_partitioned(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key):

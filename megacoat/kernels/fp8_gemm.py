@@ -1,4 +1,4 @@
-"""FP8 GEMMs through cuBLASLt (`csrc/fp8_gemm.cu`): out (+)= (a * sa) @ (b * sb)^T with an fp32 or bf16 output.
+"""FP8 GEMMs through cuBLASLt (`csrc/fp8_gemm.cpp`): out (+)= (a * sa) @ (b * sb)^T with an fp32 or bf16 output.
 
 - `lt_gemm_ops()`: the extension's dispatcher ops the FP8 linear calls on a GPU (`megacoat_lt::fp8_mm`, the forward
   and dgrad GEMM; `megacoat_lt::fp8_wgrad`, the weight gradient written or added into main_grad), with their fake
@@ -35,7 +35,7 @@ def fp8_wgrad_reference(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, 
 def cuda_extension():
     """The compiled cuBLASLt GEMM, or None (no CUDA, no toolkit: one warning)."""
     from .cuda_ext import load_extension
-    return load_extension("fp8_gemm", ("fp8_gemm.cu",), libraries=("cublasLt",))
+    return load_extension("fp8_gemm")
 
 
 class _Refused:
@@ -55,7 +55,7 @@ def fp8_wgrad_gemm(out: torch.Tensor, gqt: torch.Tensor, sg: torch.Tensor, xqt: 
                    accumulate: bool, candidates: int = 1) -> bool:
     """Runs the extension when it exists and takes the problem; False otherwise (nothing written).
 
-    The extension decides what it takes (csrc/fp8_gemm.cu `takes`: every tensor on one GPU; out a
+    The extension decides what it takes (csrc/fp8_gemm.cpp `takes`: every tensor on one GPU; out a
     contiguous fp32 [N, K]; gqt [N, T] and xqt [K, T] contiguous FP8, not both e5m2; N, K, T non-zero
     multiples of 16; one-element fp32 scales; every pointer 16-byte aligned) and returns False for the rest:
     in C++, because these checks in Python cost more host time than the launch, on every micro-batch of

@@ -3,8 +3,8 @@
 Same signatures as the references `*_reference` in `megacoat.comm.codecs`, which decides when to
 call them (CUDA tensors and Triton importable). Triton is imported lazily: this module imports
 without it. Set MEGACOAT_NO_TRITON=1 to force the references. `encode_partitioned` and
-`reduce_requantize` run the CUDA C++ kernels of csrc/sdp4bit_encode.cu where they load and cover the
-case (MEGACOAT_SDP4BIT_NO_CUDA=1 or MEGACOAT_NO_CUDA_EXT=1: Triton). The constants of the stochastic
+`reduce_requantize` run the CUDA C++ kernels of csrc/sdp4bit_encode.cu and csrc/sdp4bit_requantize.cu where
+they load and cover the case (MEGACOAT_NO_CUDA_EXT=1: Triton). The constants of the stochastic
 rounding hash live here (the lower layer) so that both implementations share one definition.
 """
 from __future__ import annotations
@@ -69,12 +69,10 @@ def _pack(t: torch.Tensor) -> int:
 
 
 def cuda_extension():
-    """The CUDA C++ encode and reduce-requantize (csrc/sdp4bit_encode.cu), or None: not built, no GPU,
-    MEGACOAT_NO_CUDA_EXT=1, or MEGACOAT_SDP4BIT_NO_CUDA=1 (these kernels only: the Triton ones run)."""
-    if os.environ.get("MEGACOAT_SDP4BIT_NO_CUDA") == "1":
-        return None
+    """The CUDA C++ encode and reduce-requantize (csrc/sdp4bit_*.cu), or None: not built, no GPU or
+    MEGACOAT_NO_CUDA_EXT=1 (the Triton kernels run)."""
     from .cuda_ext import load_extension
-    return load_extension("sdp4bit", ("sdp4bit_encode.cu",), precise=True)  # cached
+    return load_extension("sdp4bit")  # cached
 
 
 def encode_partitioned_cuda(src, out, shard_size, slice_off, slice_len, ndest, nblocks, bits, group, hadamard, key,
@@ -133,16 +131,10 @@ def reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out,
                                       ndest, key[0], key[1], max_blocks))
 
 
-# The CUDA reduce-requantize passed tests/test_sdp4bit_cuda_gpu.py and the byte-for-byte checks of
-# `benchmarks/sdp4bit_bench.py` on an H200 (0.123 ms vs Triton's 0.216 for 256M elements), so training uses it.
-# False sends every call to the Triton kernel (kept: it covers the cases the CUDA kernel does not).
-REQUANTIZE_CUDA_VERIFIED = True
-
-
 def reduce_requantize(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
-    """The CUDA kernel where it applies (same bytes) and is verified, else the Triton one."""
-    if not (REQUANTIZE_CUDA_VERIFIED
-            and reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key)):
+    """The CUDA kernel where it applies (same bytes; 0.123 ms vs Triton's 0.216 for 256M elements on an H200,
+    `benchmarks/sdp4bit_bench.py`), else the Triton one (it covers the cases the CUDA kernel does not)."""
+    if not reduce_requantize_cuda(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key):
         reduce_requantize_triton(msgs, out, n, bits_in, group_in, bits_out, group_out, ndest, key)
 
 

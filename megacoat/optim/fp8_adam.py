@@ -1,6 +1,6 @@
 """Precision-aware AdamW (`--use-precision-aware-optimizer`): Adam moments in fp32, bf16 or COAT's FP8.
 
-FP8 moments (DESIGN 5.4): E4M3 codes in groups of 128 contiguous elements of each parameter's own
+FP8 moments: E4M3 codes in groups of 128 contiguous elements of each parameter's own
 flat range, with per group a scale s, an exponent k and a centre c (fp32). With dynamic range
 expansion each group is mapped by x -> sign(x) (|x|/c)^k before scaling, so that its range fills
 E4M3's; without it (`--no-optimizer-state-expansion`) k = 1, c = 1 and s = absmax / 448.
@@ -18,15 +18,15 @@ repeats one for one, so the two agree bit for bit on the GPU. The transcendental
 call them); on the CPU they are computed in float64 and rounded, which is what CUDA's functions
 return in most cases (the exact form reproduces COAT's golden codes this way on the CPU).
 
-The expansion has two forms with the same group statistics: COAT's (powf and divisions per
-element; `fast=False`) and the default exp2/log2 form (quantize_groups), ~5x fewer instructions,
-codes within one E4M3 step of COAT's form (tests/test_fp8_adam_fast.py). Checkpoints store
+The expansion has two forms with the same group statistics: the exp2/log2 form, which the codec
+and its kernel run (~5x fewer instructions per element), and COAT's (powf and divisions per element),
+kept in the reference functions (`fast=False`) because it reproduces COAT's own codes (the golden
+tests); the codes of the two are within one E4M3 step (tests/test_fp8_adam_fast.py). Checkpoints store
 (codes, s, k, c) with the same meaning in both forms.
 """
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -37,7 +37,7 @@ from ..config import round_to_fp32
 
 GROUP = 128
 FP8_MAX = 448.0
-TINY = 1e-30                                   # DESIGN 5.4: added to the group max and nonzero min
+TINY = 1e-30                                   # added to the group max and nonzero min (COAT's)
 K16 = float(torch.tensor(16 * math.log2(FP8_MAX * FP8_MAX / 2), dtype=torch.float32))  # 16 log2(448^2/2)
 # COAT leaves k uncapped; a group whose values are (nearly) all equal has R -> 1 and k -> inf. Beyond
 # ~2^10 the fp32 rounding of |x|/c, raised to the power k, approaches the E4M3 step and values near
@@ -117,7 +117,7 @@ def _sign(x: torch.Tensor) -> torch.Tensor:
 
 
 def group_stats(x: torch.Tensor, expand: bool):
-    """Per-group (s, k, c) for x of shape [G, 128] (fp32), DESIGN 5.4 with the cap on k."""
+    """Per-group (s, k, c) for x of shape [G, 128] (fp32): COAT's statistics, with the cap on k."""
     a = x.abs()
     mx = a.amax(1) + TINY
     nz = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(1)
@@ -189,7 +189,7 @@ class MomentState:
         g = n // GROUP
         if fmt == "fp8":
             self.data = torch.zeros(n, dtype=torch.uint8, device=device)
-            # Initial state (DESIGN 5.4): s = 0, k = 1, c = 1 dequantizes to 0.
+            # Initial state: s = 0, k = 1, c = 1 dequantizes to 0.
             self.s = torch.zeros(g, dtype=torch.float32, device=device)
             self.k = torch.ones(g, dtype=torch.float32, device=device)
             self.c = torch.ones(g, dtype=torch.float32, device=device)
@@ -272,7 +272,7 @@ def bias_corrections(step: torch.Tensor, hp: AdamHyper):
 def reference_step(master: torch.Tensor, chunks: Sequence[Chunk], m: MomentState, v: MomentState,
                    group_decay: torch.Tensor, hp: AdamHyper, lr: float, coeff: torch.Tensor,
                    step: torch.Tensor) -> None:
-    """One AdamW step (DESIGN 5.4, COAT's order) on every chunk; the caller skips it when the
+    """One AdamW step (COAT's order of operations) on every chunk; the caller skips it when the
     gradient is not finite and counts the step. `group_decay` (bool, one per group) says whether
     the group's parameter has weight decay; `coeff` is the clip factor (0-dim fp32, <= 1)."""
     sc = hp.scalars()
@@ -334,39 +334,30 @@ def round_up_group(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------ the kernel
-FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}  # fp8 with expansion: 3 (exact powf form), 4 (exp2/log2 form)
-KERNEL_VARIANTS = 8  # variants of the kernel (csrc/fused_adamw.cu Variant0-7); which one runs: FASTEST_VARIANT
-# Variants 0-3 (work distributions) equal the reference bit for bit; 4-7 approximate the update's square root
-# and division (the master within 1e-6 relative, the moments' codes and s, k, c still bit for bit).
-EXACT_VARIANTS = 4
+# The kernel's moment formats (csrc/fused_adamw.h, Format); FP8 with expansion is 4 (the exp2/log2 form: COAT's
+# powf form, 3, exists only in the reference). Each format runs one configuration of the kernel (ConfigFor in
+# csrc/fused_adamw.cu): fp32 and bf16 moments equal the reference bit for bit, FP8 moments too except for the
+# master and the bf16 weights, whose update uses the hardware's approximate sqrt and reciprocal (within 1e-6).
+FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp8": 2}
+FP8_EXPAND_CODE = 4
 
 
-def _format_code(ms: MomentState) -> int:
+def _format_code(ms: MomentState) -> Optional[int]:
+    """The kernel's format code of a moment, None for one the kernel does not run (COAT's powf form)."""
     if ms.expand:
-        return 4 if ms.fast else 3
+        return FP8_EXPAND_CODE if ms.fast else None
     return FORMAT_CODE[ms.fmt]
-
-
-# Per format code (_format_code): the kernel variant measured fastest on the H200 for 256M elements
-# (benchmarks/optimizer_bench.py --parts variants). fp32, bf16 states and COAT's exact powf expansion keep
-# a variant that equals the reference bit for bit (session 3: fp32 2.062 ms (2) vs 2.089 (0); bf16 1.529
-# (0); powf form 5.444 (2) vs 6.895). The two FP8 formats run variant 6 (4's approximate update, its loads
-# pipelined through shared memory): against 4 in the same calls (2026-12-02 session 11,
-# benchmarks/results/2026-12-02_fp8-adamw-7b-max-batch_h200): absmax 1.390 / 1.627 ms vs 1.470 / 1.685; exp2
-# expansion (the default) 1.848 vs 1.935 ms with fp32 gradients, 1.663 vs 1.662 with bf16; Nsight Compute
-# 1.49 vs 1.53 ms. Before, variant 4 had beaten the fastest exact ones by 7-10% (session 10).
-FASTEST_VARIANT = {0: 2, 1: 0, 2: 6, 3: 2, 4: 6}
 
 
 def fused_extension():
     """The compiled `csrc/fused_adamw.cu`, or None (then the reference runs; one warning)."""
     from ..kernels.cuda_ext import load_extension
-    return load_extension("fused_adamw", ("fused_adamw.cu",), precise=True)
+    return load_extension("fused_adamw")
 
 
 def kernel_supports(m: MomentState, v: MomentState, chunks: Sequence[Chunk]) -> bool:
     """The kernel handles equal formats of both moments, fp32/bf16 gradients and bf16 weights."""
-    if _format_code(m) != _format_code(v) or not chunks:
+    if _format_code(m) is None or _format_code(m) != _format_code(v) or not chunks:
         return False
     grads = {c.grad.dtype for c in chunks}
     weights = {c.weight.dtype for c in chunks if c.weight is not None}
@@ -398,31 +389,23 @@ class PrecisionAwareAdamW:
     clip factor, the skip flag and the step count are read on the device), else the reference
     (compiled with torch.compile on the GPU). It also writes the chunks' bf16 weights.
 
-    `fast_expansion` (default): FP8 expansion in the exp2/log2 form (quantize_groups), ~5x fewer
-    instructions per element than COAT's powf form; False: COAT's form, whose codes the reference
-    reproduces exactly (the golden test).
+    FP8 moments with expansion are kept in the exp2/log2 form (quantize_groups with fast=True).
     """
 
     name = "precision-aware"
 
     def __init__(self, master: torch.Tensor, chunks: Sequence[Chunk], group_decay: torch.Tensor,
-                 cfg, m_fmt: str = "fp32", v_fmt: str = "fp32", expand: bool = True, use_kernel: Optional[bool] = None,
-                 fast_expansion: bool = True):
+                 cfg, m_fmt: str = "fp32", v_fmt: str = "fp32", expand: bool = True, use_kernel: Optional[bool] = None):
         self.master, self.chunks, self.cfg = master, list(chunks), cfg
         self.group_decay = group_decay
         self.hp = AdamHyper(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
         n, dev = master.numel(), master.device
-        self.m = MomentState(m_fmt, n, dev, expand, fast_expansion)
-        self.v = MomentState(v_fmt, n, dev, expand, fast_expansion)
+        self.m = MomentState(m_fmt, n, dev, expand, fast=True)
+        self.v = MomentState(v_fmt, n, dev, expand, fast=True)
         self.step_count = torch.zeros((), dtype=torch.float32, device=dev)
         self.ext = None
         if dev.type == "cuda" and use_kernel is not False and kernel_supports(self.m, self.v, self.chunks):
             self.ext = fused_extension()
-        # The kernel's variant (csrc/fused_adamw.cu, Variant0-7; 0-3 equal the reference bit for bit, 4-7
-        # within 1e-6 in the master): the fastest measured for this format unless MEGACOAT_ADAMW_VARIANT
-        # says otherwise (for benchmarking).
-        env = os.environ.get("MEGACOAT_ADAMW_VARIANT")
-        self.variant = int(env) if env else FASTEST_VARIANT[_format_code(self.m)]
         self._compiled = None
         self._incoming = None  # fp32 moments being loaded from a checkpoint of another format
 
@@ -467,7 +450,7 @@ class PrecisionAwareAdamW:
             m.data, opt[0], opt[1], opt[2], v.data, opt[3], opt[4], opt[5],
             _format_code(m), self.step_count, found_inf, coeff,
             float(lr), sc["b1"], sc["ob1"], sc["b2"], sc["ob2"], sc["eps"], sc["wd"], K16, K_MAX, TINY,
-            log2_table(self.master.device), self.variant)
+            log2_table(self.master.device))
 
     def _device_reference(self, lr, coeff, found_inf) -> None:
         """GPU without the kernel: the reference on copies, kept only when the step is not skipped

@@ -7,14 +7,20 @@
 // `benchmarks/fp8_bench.py --parts wgrad`). Megatron + TransformerEngine do the same through TE's
 // GEMM with accumulate=True. With `candidates` > 1 it also times that many of cuBLASLt's algorithms for a
 // problem on its first call and keeps the fastest (the heuristic's first choice is not always the fastest).
+// Host code only (cuBLASLt runs the kernels): compiled by the host compiler, not nvcc.
 //
 // Layout: every tensor is row-major. cuBLASLt is column-major and its FP8 GEMMs take only the "TN"
 // form, so the product is written as out^T (column-major [N, M], ld N) = A^T B with A = b seen as
 // column-major [K, N] (ld K, transposed) and B = a seen as column-major [K, M] (ld K): both operands
 // are read K-major (K contiguous), which is what the FP8 tensor-core kernels want.
-#include <torch/extension.h>
+// Only the headers it needs: torch/extension.h alone takes ~20 s to compile.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters
 #include <torch/library.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -37,7 +43,7 @@ void check_lt(cublasStatus_t s, const char* call) {
   TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "megacoat fp8_gemm: ", call, " failed with cuBLAS status ", (int)s);
 }
 
-cudaDataType_t fp8_type(const torch::Tensor& t) {
+cudaDataType_t fp8_type(const at::Tensor& t) {
   if (t.scalar_type() == at::kFloat8_e4m3fn) return CUDA_R_8F_E4M3;
   check(t.scalar_type() == at::kFloat8_e5m2, "operands must be float8_e4m3fn or float8_e5m2");
   return CUDA_R_8F_E5M2;
@@ -92,15 +98,15 @@ using Report = std::tuple<int64_t, int64_t, int64_t, std::string, std::string, s
                           std::vector<double>>;
 std::vector<Report> tuning_reports;
 
-bool is_fp8(const torch::Tensor& t) {
+bool is_fp8(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
 }
 
 // Whether the cuBLASLt FP8 GEMM takes the problem: the caller runs its fallback where it does not. Checked
 // here rather than in Python: this runs on every micro-batch of every linear, where Python's checks cost
 // more host time than the launch (`benchmarks/profile_step.py --host-profile` on the coat recipe, H200).
-bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
-           const torch::Tensor& sb) {
+bool takes(const at::Tensor& out, const at::Tensor& a, const at::Tensor& sa, const at::Tensor& b,
+           const at::Tensor& sb) {
   if (!(out.is_cuda() && a.is_cuda() && b.is_cuda() && sa.is_cuda() && sb.is_cuda())) return false;
   const auto dev = out.get_device();
   if (a.get_device() != dev || b.get_device() != dev || sa.get_device() != dev || sb.get_device() != dev) return false;
@@ -121,7 +127,7 @@ bool takes(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor
 
 // Milliseconds per call of `algo` on a scratch output (tuning must not add into the caller's), or -1 if it fails.
 double time_algo(cublasLtHandle_t handle, const MatmulDesc& desc, const Layout& la, const Layout& lb, const Layout& lc,
-                 const void* a_ptr, const void* b_ptr, const torch::Tensor& scratch, float beta,
+                 const void* a_ptr, const void* b_ptr, const at::Tensor& scratch, float beta,
                  const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_size, cudaStream_t stream) {
   const float alpha = 1.0f;
   auto run = [&]() {
@@ -145,7 +151,7 @@ double time_algo(cublasLtHandle_t handle, const MatmulDesc& desc, const Layout& 
   return ok ? ms / kReps : -1.0;
 }
 
-std::string dtype_name(const torch::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
+std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
 }  // namespace
 
@@ -153,7 +159,7 @@ std::string dtype_name(const torch::Tensor& t) { return std::string(c10::toStrin
 // refuses one it should take (the caller remembers that problem and falls back). `candidates` > 1: on a
 // problem's first call (outside CUDA graph capture) time up to that many of the heuristic's algorithms and
 // keep the fastest; 1: the heuristic's first choice, as torch._scaled_mm.
-bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tensor b, torch::Tensor sb,
+bool fp8_gemm(at::Tensor out, at::Tensor a, at::Tensor sa, at::Tensor b, at::Tensor sb,
               bool accumulate, bool fast_accum, int64_t candidates) {
   if (!takes(out, a, sa, b, sb)) return false;
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
@@ -210,12 +216,12 @@ bool fp8_gemm(torch::Tensor out, torch::Tensor a, torch::Tensor sa, torch::Tenso
       int64_t best = 0;
       // Tuning writes a scratch copy (beta = 1 adds into it), never the caller's output. Without memory for it
       // (a weight gradient's first backward runs near the peak) the heuristic's first choice is kept.
-      torch::Tensor scratch;
+      at::Tensor scratch;
       if (found > 1) {
         try {
           scratch = accumulate ? out.clone() : at::empty_like(out);
         } catch (const c10::OutOfMemoryError&) {
-          scratch = torch::Tensor();
+          scratch = at::Tensor();
         }
       }
       if (scratch.defined()) {
@@ -259,8 +265,8 @@ namespace {
 std::set<std::tuple<int64_t, int64_t, int64_t, int, int, int, bool>> refused;
 
 // fp8_gemm, or false where it declines the problem or cuBLASLt refuses it (remembered, one warning).
-bool gemm_or_decline(torch::Tensor out, const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
-                     const torch::Tensor& sb, bool accumulate, bool fast_accum, int64_t candidates) {
+bool gemm_or_decline(at::Tensor out, const at::Tensor& a, const at::Tensor& sa, const at::Tensor& b,
+                     const at::Tensor& sb, bool accumulate, bool fast_accum, int64_t candidates) {
   const auto key = std::make_tuple(a.size(0), b.size(0), a.dim() == 2 ? a.size(1) : 0, (int)a.scalar_type(),
                                    (int)b.scalar_type(), (int)out.scalar_type(), accumulate);
   {
@@ -289,8 +295,8 @@ bool gemm_or_decline(torch::Tensor out, const torch::Tensor& a, const torch::Ten
 // out_dtype. One C++ call from compiled graphs, with the algorithm chosen (and optionally tuned) once per problem.
 // Its host time per call equals torch._scaled_mm's (18 against 19 us on the H200, fp8_bench.py --parts host); a
 // Python custom op would add its wrapper.
-torch::Tensor fp8_mm_op(const torch::Tensor& a, const torch::Tensor& sa, const torch::Tensor& b,
-                        const torch::Tensor& sb, at::ScalarType out_dtype, bool fast_accum, int64_t candidates) {
+at::Tensor fp8_mm_op(const at::Tensor& a, const at::Tensor& sa, const at::Tensor& b,
+                        const at::Tensor& sb, at::ScalarType out_dtype, bool fast_accum, int64_t candidates) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "megacoat_lt::fp8_mm: 2-D operands expected");
   auto out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
   if (gemm_or_decline(out, a, sa, b, sb, false, fast_accum, candidates)) return out;
@@ -302,8 +308,8 @@ torch::Tensor fp8_mm_op(const torch::Tensor& a, const torch::Tensor& sa, const t
 // Returns the placeholder weight gradient (uninitialised, never read). Writes main_grad and the flag without
 // declaring them (kernels/wgrad.py explains why). A main_grad view the GEMM cannot take (4 bytes off a 16-byte
 // boundary) gets a temporary product and one copy or add.
-torch::Tensor fp8_wgrad_op(const torch::Tensor& main_grad, const torch::Tensor& gqt, const torch::Tensor& sg,
-                           const torch::Tensor& xqt, const torch::Tensor& sx, const torch::Tensor& overwrite,
+at::Tensor fp8_wgrad_op(const at::Tensor& main_grad, const at::Tensor& gqt, const at::Tensor& sg,
+                           const at::Tensor& xqt, const at::Tensor& sx, const at::Tensor& overwrite,
                            int64_t candidates, at::ScalarType weight_dtype) {
   TORCH_CHECK(overwrite.device().is_cpu() && overwrite.scalar_type() == at::kBool && overwrite.numel() == 1,
               "megacoat_lt::fp8_wgrad: the overwrite flag must be a one-element CPU bool tensor");
