@@ -7,7 +7,6 @@
 
 `python pretrain_gpt.py --help` lists every flag.
 """
-import os
 import sys
 import time
 
@@ -18,7 +17,7 @@ default_cuda_allocator_settings()
 
 from megacoat.config import ConfigError, parse_args  # noqa: E402 (after the allocator setting)
 from megacoat.data import DataConfigError, TokenizerError  # noqa: E402
-from megacoat.parallel.context import LaunchError  # noqa: E402
+from megacoat.parallel.launch_env import LaunchError, read_launch_env  # noqa: E402
 from megacoat.training.log import configure_library_logging  # noqa: E402
 from megacoat.training.faults import TrainingStopped  # noqa: E402
 from megacoat.training.trainer import pretrain  # noqa: E402
@@ -28,36 +27,38 @@ from megacoat.training.trainer import pretrain  # noqa: E402
 ERROR_GRACE_S = 5.0
 
 
-def report_config_error(e: Exception) -> None:
+def report_config_error(e: Exception, rank: int) -> None:
     """Configuration errors are found identically by every rank: rank 0 prints them, once. The others
     wait a little first: a launcher such as torchrun ends every process as soon as one exits, so a rank
     that exited at once could take rank 0's message with it. If the error is theirs alone (a file missing
     on one node), they print it after the wait, with their rank."""
-    rank = os.environ.get("RANK", "0")
-    if rank != "0":
+    if rank != 0:
         time.sleep(ERROR_GRACE_S)
-    print(f"pretrain_gpt.py: error: {e}" if rank == "0" else f"pretrain_gpt.py: error on rank {rank}: {e}",
+    print(f"pretrain_gpt.py: error: {e}" if rank == 0 else f"pretrain_gpt.py: error on rank {rank}: {e}",
           file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     configure_library_logging()  # e.g. progress while the default corpus is built on first use
+    rank = 0  # until the launcher's environment is read (an error there is reported as rank 0's)
     try:
+        launch = read_launch_env()  # torchrun's or SLURM's variables: read here only, passed on
+        rank = launch.rank
         if cfg.train.dry_run:  # plan only: no process group, no GPU, no data loading
-            if os.environ.get("RANK", "0") != "0":  # started by a launcher: one plan is enough
+            if rank != 0:  # started by a launcher: one plan is enough
                 return 0
             from megacoat.data import build_tokenizer
             from megacoat.training.planner import dry_run
-            dry_run(cfg, build_tokenizer(cfg.data).vocab_size, sys.stdout)
+            dry_run(cfg, build_tokenizer(cfg.data).vocab_size, sys.stdout, launch.world_size)
             return 0
-        pretrain(cfg)
+        pretrain(cfg, launch=launch)
     except (ConfigError, DataConfigError, TokenizerError, LaunchError) as e:
-        report_config_error(e)
+        report_config_error(e, rank)
         return 2
     except TrainingStopped as e:
         # Every rank stops at the same step for the same reason: say it once.
-        if os.environ.get("RANK", "0") == "0":
+        if rank == 0:
             print(f"pretrain_gpt.py: {e}", file=sys.stderr)
         return 1
     return 0

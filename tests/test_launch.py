@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from megacoat.parallel.context import (LaunchError, first_slurm_host, slurm_tasks_on_node,
-                                       torchrun_env_from_slurm)
+from megacoat.parallel.launch_env import (LaunchEnv, LaunchError, first_slurm_host, read_launch_env,
+                                          slurm_tasks_on_node, torchrun_env_from_slurm)
 from test_cli import ROOT, TINY, _env, _free_port
 
 ARGS = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0"]
@@ -53,6 +53,30 @@ def test_srun_without_a_way_to_find_the_others_is_refused():
     env = {k: v for k, v in SRUN.items() if k != "SLURM_JOB_NODELIST"}
     with pytest.raises(LaunchError, match="srun torchrun"):
         torchrun_env_from_slurm(env)
+
+
+def test_launch_env_from_torchrun_srun_or_nothing():
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
+                "MASTER_PORT": "29400"}
+    assert read_launch_env(torchrun) == LaunchEnv(3, 8, 1, 2, "node0", 29400, "torchrun")
+    assert read_launch_env(torchrun).init_method == "tcp://node0:29400"
+    assert read_launch_env(dict(torchrun, MASTER_ADDR="fe80::1")).init_method == "tcp://[fe80::1]:29400"
+    srun = dict(SRUN)
+    got = read_launch_env(srun)
+    assert got == LaunchEnv(5, 8, 1, 4, "gpu07", 20000 + 123456 % 20000, "srun") and got.distributed
+    assert srun == SRUN  # read, never written
+    assert read_launch_env({}) == LaunchEnv() and not LaunchEnv().distributed
+
+
+@pytest.mark.parametrize("env,problem", [
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "RANK is not set"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR is not set"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a"}, "outside WORLD_SIZE=2"),
+    ({"RANK": "one", "WORLD_SIZE": "2", "MASTER_ADDR": "a"}, "RANK='one' is not an integer"),
+])
+def test_an_incomplete_launch_env_is_refused_with_a_message(env, problem):
+    with pytest.raises(LaunchError, match=problem):
+        read_launch_env(env)
 
 
 def _srun_task(rank, world, port, extra_env=None, args=()):

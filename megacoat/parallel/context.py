@@ -4,18 +4,19 @@ Rank layout (Megatron's): TP is innermost (fastest-varying), then DP, then PP:
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 Data-parallel ranks are further split for two-level communication: the DP ranks whose
 global ranks sit on one node form the intra-node group; DP ranks with the same position
-inside their node, across nodes, form the inter-node group. The node size comes from
-LOCAL_WORLD_SIZE (torchrun) or --ranks-per-node, so nodes can be emulated on one host.
+inside their node, across nodes, form the inter-node group. The node size is given by the caller
+(--ranks-per-node, else the launcher's LOCAL_WORLD_SIZE), so nodes can be emulated on one host.
 """
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .launch_env import LaunchEnv
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
@@ -89,10 +90,6 @@ class ParallelContext:
     embedding_group: Optional[object] = None  # first + last pipeline stage (None on other stages and PP=1)
 
     @property
-    def is_pipeline_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_pipeline_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
@@ -122,6 +119,7 @@ class ParallelContext:
               timeout_minutes: Optional[float] = None, high_priority: Sequence[str] = ()) -> "ParallelContext":
         """Create every group. Must be called on all ranks after init_process_group (or alone, world 1).
 
+        `ranks_per_node`: processes per node (default: all on one node).
         `timeout_minutes` (--distributed-timeout-minutes) is given to every group: new_group does not
         inherit init_process_group's timeout (it falls back to torch's 30-minute default), so without
         it a rank waiting on a stuck peer in a TP/DP/PP collective would hang for half an hour.
@@ -133,7 +131,7 @@ class ParallelContext:
             return cls.single(device)
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tp, pp)
-        rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        rpn = ranks_per_node or world
         ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
                   ranks_per_node=rpn, device=device)
         base_kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
@@ -172,100 +170,20 @@ def _high_priority_options() -> dict:
     return {"pg_options": opts}
 
 
-class LaunchError(RuntimeError):
-    """The launcher's environment does not say how to join the job; the message says what to do."""
-
-
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[07-09,12],cpu3' -> 'gpu07', 'n[001-002]-ib' -> 'n001-ib'."""
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first host expression
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            end = i
-            break
-    first = nodelist[:end].strip()
-    if "[" not in first:
-        return first
-    prefix, rest = first.split("[", 1)
-    ranges, suffix = rest.split("]", 1)
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
-
-
-def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Tasks on node `node_id` from SLURM's compressed list, e.g. '4(x2),3' -> 4, 4, 3."""
-    counts = []
-    for item in tasks_per_node.split(","):
-        if "(x" in item:
-            n, rep = item.rstrip(")").split("(x")
-            counts += [int(n)] * int(rep)
-        else:
-            counts.append(int(item))
-    return counts[min(node_id, len(counts) - 1)]
-
-
-def torchrun_env_from_slurm(env) -> dict:
-    """The torchrun variables of a process started by `srun` (one task per GPU) without torchrun.
-
-    Returns {} when torchrun's variables are already there or this is not a multi-task SLURM job
-    step (plain `python` inside an sbatch script runs one process). The port defaults to one
-    derived from the job id, so that jobs sharing a node do not collide."""
-    if "RANK" in env or "WORLD_SIZE" in env:
-        return {}
-    if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:  # not inside an srun job step
-        return {}
-    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
-    if world <= 1:
-        return {}
-    missing = [k for k in ("SLURM_LOCALID",) if k not in env]
-    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if not addr and nodelist:
-        addr = first_slurm_host(nodelist)
-    if not addr:
-        missing.append("SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST (or MASTER_ADDR)")
-    if missing:
-        raise LaunchError(f"started by srun with {world} tasks, but {', '.join(missing)} is not set, so this process "
-                          "cannot find the others; launch with `srun torchrun --nnodes $SLURM_NNODES "
-                          "--nproc-per-node N ...` instead, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT")
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env.get(
-        "SLURM_NTASKS_PER_NODE")
-    local_world = slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0))) if per_node else world
-    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", 0) or 0) % 20000)
-    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env["SLURM_LOCALID"],
-            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": port}
-
-
-def apply_launcher_environment(env=None) -> dict:
-    """Under `srun python pretrain_gpt.py` (no torchrun), set torchrun's variables from SLURM's, so
-    that the tasks form one job instead of N independent trainings writing the same --save.
-    Returns what was set."""
-    env = os.environ if env is None else env
-    found = torchrun_env_from_slurm(env)
-    env.update(found)
-    return found
-
-
-def init_distributed(backend: str = "auto", timeout_minutes: float = 10, use_cpu: bool = False) -> torch.device:
-    """Initialise torch.distributed from torchrun's environment (no-op for a single process).
-    Processes started by srun alone get that environment from SLURM's (apply_launcher_environment).
-
-    Returns the device this rank computes on.
-    """
-    apply_launcher_environment()
+def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: float = 10,
+                     use_cpu: bool = False) -> torch.device:
+    """Join the job `launch` describes (nothing to join for a single process) and pick this rank's device:
+    GPU `local_rank` of this node, or the CPU. Returns the device."""
     on_gpu = torch.cuda.is_available() and not use_cpu
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if on_gpu else torch.device("cpu")
+    device = (torch.device("cuda", launch.local_rank % max(torch.cuda.device_count(), 1)) if on_gpu
+              else torch.device("cpu"))
     if on_gpu:
         torch.cuda.set_device(device)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and not dist.is_initialized():
+    if launch.distributed and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if on_gpu else "gloo"
-        kwargs = dict(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        kwargs = dict(backend=backend, init_method=launch.init_method, rank=launch.rank, world_size=launch.world_size,
+                      timeout=datetime.timedelta(minutes=timeout_minutes))
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -400,8 +399,10 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: MegacoatConfig, vocab_size: int, stream) -> List[RankPlan]:
-    world = cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", 1))
+def dry_run(cfg: MegacoatConfig, vocab_size: int, stream, launched_world: int = 1) -> List[RankPlan]:
+    """Plan and print every rank of a run over --world-size ranks, else over the `launched_world` this was
+    started with (the launcher's WORLD_SIZE)."""
+    world = cfg.parallel.world_size or launched_world
     plans = plan_run(cfg, world, vocab_size)
     print(format_plan(cfg, world, plans), file=stream, flush=True)
     return plans

@@ -26,7 +26,8 @@ from ..model.masks import block_causal_mask
 from ..model.recompute import RecomputePlan
 from ..model.transformer import LayerContext
 from ..optim.factory import build_optimizer
-from ..parallel.context import ParallelContext, apply_launcher_environment, init_distributed
+from ..parallel.context import ParallelContext, init_distributed
+from ..parallel.launch_env import LaunchEnv, read_launch_env
 from ..parallel.mappings import all_reduce, group_size
 from ..parallel.pipeline import PipelineSchedule
 from ..parallel.random import seed_everything
@@ -135,18 +136,20 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 class Trainer:
     """Builds everything from a config and runs training. Tests use its pieces directly."""
 
-    def __init__(self, cfg: MegacoatConfig, *, log_stream=None):
+    def __init__(self, cfg: MegacoatConfig, *, log_stream=None, launch: Optional[LaunchEnv] = None):
+        """`launch`: this process's place in the job (pretrain_gpt.py reads it once); default: read here."""
         default_cuda_allocator_settings()  # library callers too (pretrain_gpt.py did it before its imports)
-        apply_launcher_environment()  # `srun python pretrain_gpt.py`: torchrun's variables from SLURM's
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        apply_checkpoint_args(cfg)  # --use-checkpoint-args: architecture flags from the checkpoint in --load
-        validate_config(cfg, world)  # before any allocation
+        launch = read_launch_env() if launch is None else launch
+        # --use-checkpoint-args: architecture flags from the checkpoint in --load (said by rank 0)
+        apply_checkpoint_args(cfg, log=_print_flushed if launch.rank == 0 else _say_nothing)
+        validate_config(cfg, launch.world_size)  # before any allocation
         self.cfg = cfg
-        self.device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes,
-                                       cfg.train.use_cpu)
+        self.device = init_distributed(launch, cfg.parallel.distributed_backend,
+                                       cfg.parallel.distributed_timeout_minutes, cfg.train.use_cpu)
         self.ctx = ParallelContext.build(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
-                                         cfg.parallel.ranks_per_node, cfg.parallel.distributed_timeout_minutes,
+                                         cfg.parallel.ranks_per_node or launch.local_world_size,
+                                         cfg.parallel.distributed_timeout_minutes,
                                          cfg.parallel.high_priority_stream_groups)
         self._fp8_refresher = None  # remakes kept FP8 weight copies after each step (built on first use)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
@@ -475,8 +478,17 @@ def report_fp8_copies_dropped(note: Optional[str], device: torch.device, log: Ca
             f"estimated peak with them would not fit); this rank keeps its own")
 
 
-def pretrain(cfg: MegacoatConfig, **kwargs) -> TrainState:
-    trainer = Trainer(cfg)
+def _print_flushed(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _say_nothing(msg: str) -> None:
+    pass
+
+
+def pretrain(cfg: MegacoatConfig, launch: Optional[LaunchEnv] = None, **kwargs) -> TrainState:
+    """Build a Trainer (`launch`: see Trainer) and train; `kwargs` go to Trainer.train."""
+    trainer = Trainer(cfg, launch=launch)
     try:
         state = trainer.train(**kwargs)
     except BaseException:
