@@ -88,8 +88,3 @@ def layout_of_parameter(p: torch.nn.Parameter, tp_size: int, vocab_size: Optiona
     full = list(p.shape)
     full[dim] *= tp_size
     return TensorLayout(tuple(full), tp_size, dim, list(sizes), vocab_rows)
-
-
-def canonical_layout(shape: Sequence[int], name: str, vocab_size: Optional[int]) -> TensorLayout:
-    """The layout of a whole tensor held by one process (conversion tools, load_model)."""
-    return TensorLayout(tuple(shape), 1, None, None, vocab_size if name in VOCAB_PARAMETERS else None)

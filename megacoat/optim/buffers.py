@@ -38,7 +38,8 @@ class GradAccumulator:
         self._overwrite = torch.ones(len(self.fused), dtype=torch.bool)
         for i, p in enumerate(self.fused):
             p.main_grad_overwrite = self._overwrite[i:i + 1]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
 
     def _accumulate(self, p: torch.Tensor) -> None:
         require_main_grad_storage(p.main_grad)
@@ -65,10 +66,6 @@ class GradAccumulator:
             p.main_grad.zero_()
         self._fresh = set()
         return missing
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
 
 # Every main_grad view of the non-sharded GradBuffer starts a multiple of 16 elements into its bucket: a compiled
