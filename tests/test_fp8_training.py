@@ -15,6 +15,7 @@ from megacoat.model.transformer import LayerContext
 from megacoat.optim.optimizer import MixedPrecisionAdamW
 from megacoat.parallel.context import ParallelContext
 from megacoat.parallel.random import seed_everything
+from megacoat.precision.handoff import PendingAdd
 from megacoat.precision.linear import invalidate_fp8_weights
 from megacoat.precision.recipe import Fp8Recipe
 from parallel_harness import VOCAB, batches, run_step, small_model_config
@@ -198,11 +199,11 @@ def _worst_rel(a, b):
 
 @pytest.mark.parametrize("arch", [{}, GPT2], ids=["llama", "gpt2"])
 def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
-    """Under coat every layer but a chunk's last returns (stream, fc2 output, fc2's token) un-added: the next
-    layer's input norm adds them in its kernel (and its backward adds the two residual gradients in fp32 and
-    hands fc2 their amax). The forward is bit-identical to adding first; the gradients differ only by the
-    residual gradient's rounding (one instead of two) and are as close to fp32's; a recomputed group keeps both
-    deferred inputs, so recomputation gives the same bits as no recomputation."""
+    """Under coat every layer but a chunk's last returns its last residual add undone (a PendingAdd of the stream,
+    fc2's output and fc2's token): the next layer's input norm adds them in its kernel (and its backward adds the
+    two residual gradients in fp32 and hands fc2 their amax). The forward is bit-identical to adding first; the
+    gradients differ only by the residual gradient's rounding (one instead of two) and are as close to fp32's; a
+    recomputed group keeps both deferred inputs, so recomputation gives the same bits as no recomputation."""
     from megacoat.model.transformer import TransformerLayer
     deferred = _coat_model(True, **arch)
     assert [layer.defer_residual for layer in deferred.layers] == [True, True, False]
@@ -222,9 +223,9 @@ def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
                                                     (("uniform", 1), True)])
 def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute, rope_fusion):
     """Compiled layers (aot_eager: the same kernels as eager, so bit-identical) under full recomputation with
-    several groups per chunk: the deferred (stream, branch, token) crosses each recomputed group's checkpoint
-    and fc2's token must still get its gradient. A dropped token's gradient arrives as zeros in compiled code
-    (AOTAutograd materializes it): amax 0 saturated fc2's whole gradient (fc1, fc2 and the second norm's weight
+    several groups per chunk: the deferred residual add (stream, branch, token) crosses each recomputed group's
+    checkpoint and fc2's token must still get its gradient. A dropped token's gradient arrives as zeros in compiled
+    code (AOTAutograd materializes it): amax 0 saturated fc2's whole gradient (fc1, fc2 and the second norm's weight
     gradients ~0 in every such layer, in a first version that added the residual before each recomputed
     group). With the fused RoPE, the QKV linear's token goes through it the same way."""
     grads = []
@@ -243,7 +244,7 @@ def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute, rope
 
 def test_compiled_deferred_coat_layers_equal_eager():
     """Two coat layers compiled one by one (as the model compiles them), the first deferring its residual add:
-    the (stream, branch, token) triple crosses the compiled graphs and the token's gradient comes back through
+    the PendingAdd (stream, branch, token) crosses the compiled graphs and the token's gradient comes back through
     them; no graph break, bit-identical to eager (aot_eager)."""
     from megacoat.model.rope import RotaryEmbedding
     from megacoat.model.transformer import TransformerLayer
@@ -264,7 +265,7 @@ def test_compiled_deferred_coat_layers_equal_eager():
         for layer in layers:
             layer.zero_grad(set_to_none=True)
         mid = fns[0](x, rope)
-        assert isinstance(mid, tuple) and len(mid) == 3 and mid[2].shape == ()
+        assert isinstance(mid, PendingAdd) and mid.token.shape == ()
         y = fns[1](mid, rope)
         y.float().pow(2).sum().backward()
         outs.append((y.detach(), x.grad.clone(), *(p.grad.clone() for layer in layers for p in layer.parameters())))

@@ -88,6 +88,7 @@ def test_the_rope_backward_hands_the_fp8_qkv_linear_its_gradient_amax():
     """The FP8 QKV linear's token through the fused RoPE: its backward returns max |dqkv| (of the values it
     returns) as the token's gradient, and the linear casts dqkv with it instead of its own amax pass: the same
     outputs and gradients as without the token (max is exact, so the E5M2 codes are the same)."""
+    from megacoat.precision.handoff import Handoff
     from megacoat.precision.linear import Fp8WeightCache, fp8_linear
     from megacoat.precision.recipe import Fp8Recipe
     coat = Fp8Recipe("e4m3", "e5m2", True)
@@ -103,7 +104,8 @@ def test_the_rope_backward_hands_the_fp8_qkv_linear_its_gradient_amax():
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         out = fp8_linear(x, w, None, Fp8WeightCache("e4m3"), coat, grad_amax_token=with_token)
         qkv, token = out if with_token else (out, None)
-        q, kk, v = rope_qkv(qkv.view(s, b, g, qpg + 2, d), cos, sin, grad_amax_token=token)
+        view = qkv.view(s, b, g, qpg + 2, d)
+        q, kk, v = rope_qkv(Handoff(view, token=token) if with_token else view, cos, sin)
         if with_token:  # the token's gradient is max |dqkv| of the gradient the linear casts
             dqkv, amax = torch.autograd.grad((q, kk, v), (qkv, token), grads, retain_graph=True)
             assert amax.shape == () and amax == dqkv.abs().amax().float() and amax > 0
@@ -114,14 +116,9 @@ def test_the_rope_backward_hands_the_fp8_qkv_linear_its_gradient_amax():
 
 
 def _coat_losses(extra, drop_qkv_token=False, monkeypatch=None):
-    if drop_qkv_token:  # the QKV linear makes its own amax pass
-        from megacoat.parallel.layers import ColumnParallelLinear
-        plain = ColumnParallelLinear.forward
-
-        def no_token(self, x, *a, grad_amax_token=False, **kw):
-            y = plain(self, x, *a, **kw)
-            return (y, None) if grad_amax_token else y
-        monkeypatch.setattr(ColumnParallelLinear, "forward", no_token)
+    if drop_qkv_token:  # the QKV linear hands the RoPE no token: it makes its own amax pass
+        from megacoat.precision.layer_ops import RESIDUAL, CoatLayerOps
+        monkeypatch.setattr(CoatLayerOps, "_token_consumers", (RESIDUAL,))
     return _losses(extra + ["--fp8-format", "hybrid", "--fp8-recipe", "coat"], ("--bf16",))
 
 

@@ -68,9 +68,9 @@ class GPTModel(nn.Module):
         else:
             self.rope = RotaryEmbedding(m.kv_channels, m.max_position_embeddings, m.rotary_base, device=lc.device)
         self.layers = nn.ModuleList(TransformerLayer(m, lc, i) for i in self.layer_numbers)
-        # coat: each layer's last residual add goes into the next layer's input norm (its kernel adds it); the
-        # chunk's last layer adds its own, so the chunk returns a tensor and every fc2 token reaches a norm.
-        if lc.coat:
+        # Each layer's last residual add goes into the next layer's input norm, which adds it where the recipe's norm
+        # can (coat); the chunk's last layer adds its own, so the chunk returns a tensor.
+        if lc.ops.defers_residual_add:
             for layer in list(self.layers)[:-1]:
                 layer.defer_residual = True
         self.final_norm = self.output_layer = None
@@ -110,8 +110,9 @@ class GPTModel(nn.Module):
         """Have `pre_backward_hook(modules)` run just before the backward of the node that produced x (the
         optimizer allocates the gradient storage of these modules' parameters there). A hook on the
         autograd node, not an identity function: x stays the same tensor, so the pipeline can still free
-        its data after sending it. x may be a coat layer's deferred (stream, branch, token): every node that
-        made one of them gets the hook (whichever runs first allocates; the allocation is idempotent)."""
+        its data after sending it. x may be a layer's deferred residual add (precision/handoff.py: PendingAdd):
+        every node that made one of its tensors gets the hook (whichever runs first allocates; the allocation is
+        idempotent)."""
         hook = self.pre_backward_hook
         if hook is None or not torch.is_grad_enabled():
             return x

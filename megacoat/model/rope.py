@@ -1,11 +1,12 @@
 """Rotary position embeddings (the rotate-half layout used by Megatron and HF Llama)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from ..precision.fp8 import is_compiling
+from ..precision.handoff import Activation, split
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -137,13 +138,14 @@ class _RopeQKV(torch.autograd.Function):
         return dqkv, None, None, (amax if ctx.has_token else None)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_amax_token: Optional[torch.Tensor] = None):
+def rope_qkv(qkv: Activation, cos: torch.Tensor, sin: torch.Tensor):
     """The fused RoPE over the QKV output (--rope-fusion): qkv [s, b, groups, heads per group + 2, d], cos and sin
     [s, b, 1, d] -> (q [s, b, heads, d], k [s, b, groups, d]) rotated and v [s, b, groups, d], in one pass (one
     Triton kernel on CUDA, one back); the same values as `apply_rotary` on each head, rounded once from fp32.
-    `grad_amax_token`: the token of the FP8 linear that produced qkv (`fp8_linear(..., grad_amax_token=True)`); the
-    backward returns max |dqkv| as its gradient, and the linear casts dqkv with it instead of an amax pass."""
+    `qkv` may be a `Handoff` with the token of the FP8 linear that produced it (precision/handoff.py): the backward
+    returns max |dqkv| as the token's gradient, and the linear casts dqkv with it instead of an amax pass."""
+    qkv, _, token = split(qkv)
     if qkv.dim() != 5 or qkv.shape[3] < 3 or qkv.shape[-1] % 2:
         raise ValueError(f"fused RoPE needs the QKV output as [s, b, groups, heads per group + 2, d] with an even d, "
                          f"got {tuple(qkv.shape)}")
-    return _RopeQKV.apply(qkv, cos, sin, grad_amax_token)
+    return _RopeQKV.apply(qkv, cos, sin, token)

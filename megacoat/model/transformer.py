@@ -2,10 +2,16 @@
 
 Llama-style by default (RMSNorm, RoPE, SwiGLU, optional grouped-query attention, no biases);
 GPT-2 style with LayerNorm, GELU (tanh approximation, as GPT-2) and biases.
+
+One forward for every precision recipe: the norms, residual adds and the MLP activation are the recipe's operations
+(`LayerContext.ops`, precision/layer_ops.py), and so is each linear's FP8 implementation. What an FP8 recipe hands
+from one operation to the next besides the tensor (an amax, a grad-amax token, a residual add left to the next norm:
+precision/handoff.py) passes through the layer untouched.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,8 +24,8 @@ from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, InitSpec, RowParallelLinear, mark_sequence_parallel, register_replicated
 from ..parallel.mappings import group_size
 from ..parallel.random import RNGTracker
-from ..precision.activations import fp8_activation, fp8_norm
-from ..precision.linear import Fp8LinearImpl
+from ..precision.handoff import value_of
+from ..precision.layer_ops import RESIDUAL, ROPE, LayerOps, layer_ops
 from ..precision.recipe import Fp8Recipe
 from .recompute import recompute
 from .rope import apply_rotary, rope_qkv
@@ -46,12 +52,11 @@ class LayerContext:
     # in FP8 and, under coat, norms/activations save FP8 copies (the output layer and attention stay bf16).
     fp8: Optional[Fp8Recipe] = None
 
-    def linear_impl(self):
-        return Fp8LinearImpl(self.fp8, self.device) if self.fp8 is not None else None
-
-    @property
-    def coat(self) -> bool:
-        return self.fp8 is not None and self.fp8.fp8_activations
+    @functools.cached_property
+    def ops(self) -> LayerOps:
+        """The recipe's norms, residual adds, activations and linear implementations (precision/layer_ops.py);
+        one object shared by every layer (compiled layers reuse one graph)."""
+        return layer_ops(self.fp8, self.device)
 
 
 class Norm(nn.Module):
@@ -67,14 +72,12 @@ class Norm(nn.Module):
         if lc.sequence_parallel:
             mark_sequence_parallel(self)
 
-    def fp8_forward(self, x, residual=None, grad_amax_token=None):
-        """COAT's fused norm: (stream = x (+ residual), y, amax of y); saves the stream as FP8 1x16.
-        `grad_amax_token`: the token of the FP8 linear that produced x (see `fp8_norm`)."""
-        return fp8_norm(x, self.weight, self.bias, self.eps, self.kind == "RMSNorm", residual=residual,
-                        grad_amax_token=grad_amax_token)
+    @property
+    def rms(self) -> bool:
+        return self.kind == "RMSNorm"
 
     def forward(self, x):
-        if self.kind == "RMSNorm":
+        if self.rms:
             # fp32 statistics, output in the input dtype; torch's fused kernel where it has one (it
             # saves only the input and rstd for backward, not fp32 copies).
             return F.rms_norm(x, self.shape, self.weight, self.eps)
@@ -99,47 +102,41 @@ class SelfAttention(nn.Module):
         self.q_per_group = m.num_attention_heads // m.num_query_groups
         qkv_out = m.num_query_groups * (self.q_per_group + 2) * self.head_dim
         std = m.init_method_std
+        fused_rope = lc.rope_fusion and m.position_embedding_type == "rope"
         # QKV rows are laid out per query group: [q heads of the group, k, v] (Megatron's layout),
         # so a contiguous TP split hands each rank whole groups.
         self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, tp_group=lc.tp_group, name=f"{name}.qkv",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear,
                                         sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
                                         gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
-                                        linear_impl=lc.linear_impl())
+                                        linear_impl=lc.ops.linear_impl(ROPE if fused_rope else None))
         self.proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, tp_group=lc.tp_group,
                                       name=f"{name}.proj", init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                       bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
                                       dtype=lc.dtype, device=lc.device,
                                       gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
-                                      linear_impl=lc.linear_impl())
+                                      linear_impl=lc.ops.linear_impl(_residual_branch(m)))
         self.recompute_core = False  # --recompute-granularity selective (set by the trainer)
 
-    def forward(self, x, rope, attention_mask, x_amax=None, grad_amax_token=False):
-        """`grad_amax_token=True`: returns (output, the projection's token or None) (RowParallelLinear)."""
-        s, b = x.shape[0] * (group_size(self.lc.tp_group) if self.lc.sequence_parallel else 1), x.shape[1]
-        recompute_core = self.recompute_core and self.training and torch.is_grad_enabled()
-        # The fused RoPE computes the whole QKV gradient: its backward hands the FP8 QKV linear that gradient's
-        # amax (no amax pass there). Not through the selective recompute (the token would have to cross it).
-        token = None
-        if rope is not None and self.lc.rope_fusion and not recompute_core and torch.is_grad_enabled():
-            qkv, token = self.qkv(x, x_amax=x_amax, grad_amax_token=True)
+    def forward(self, x, rope, attention_mask):
+        qkv = self.qkv(x)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # --recompute-granularity selective: keep only the QKV output for backward (a token of its FP8 linear
+            # gets its gradient amax outside the recomputed core)
+            o = recompute(lambda t: self._core(t, rope, attention_mask), value_of(qkv), rng=self.lc.rng)
         else:
-            qkv = self.qkv(x, x_amax=x_amax)
-        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
-        if recompute_core:
-            # --recompute-granularity selective: keep only the QKV output for backward
-            o = recompute(lambda t: self._core(t, rope, attention_mask), qkv, rng=self.lc.rng)
-        else:
-            o = self._core(qkv, rope, attention_mask, token)
-        return self.proj(o, grad_amax_token=grad_amax_token)
+            o = self._core(qkv, rope, attention_mask)
+        return self.proj(o)
 
-    def _core(self, qkv, rope, attention_mask, qkv_token=None):
-        """QKV output [s, b, groups, q_per_group + 2, d] -> attention output [s, b, heads * d]. `qkv_token`: the
-        QKV linear's token (the fused RoPE returns max |dqkv| as its gradient)."""
+    def _core(self, qkv, rope, attention_mask):
+        """QKV output [s, b, groups * (q_per_group + 2) * d] -> attention output [s, b, heads * d]. With the fused RoPE
+        under an FP8 recipe the QKV output is a Handoff whose token the RoPE's backward fills."""
         s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
         if rope is not None and self.lc.rope_fusion:  # q, k rotated and v copied in one pass
-            q, k, v = rope_qkv(qkv, *rope, grad_amax_token=qkv_token)
+            q, k, v = rope_qkv(qkv, *rope)
         else:
+            qkv = value_of(qkv)
             q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
             k = qkv[:, :, :, self.q_per_group]
             # A copy, not a view: attention saves v for backward, and a view would keep the whole QKV
@@ -162,63 +159,47 @@ class SelfAttention(nn.Module):
         return o.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
 
 
+def _residual_branch(m: ModelConfig) -> Optional[str]:
+    """What takes a residual branch's last linear output: the residual add itself, unless dropout comes between."""
+    return RESIDUAL if m.hidden_dropout == 0 else None
+
+
 class MLP(nn.Module):
     def __init__(self, m: ModelConfig, lc: LayerContext, name: str):
         super().__init__()
-        self.swiglu = m.activation == "swiglu"
-        self.lc = lc
+        self.activation = m.activation
+        self.ops = lc.ops
         ffn = m.ffn_hidden_size
         std = m.init_method_std
-        blocks = [ffn, ffn] if self.swiglu else [ffn]  # [gate; up] each split over TP
+        blocks = [ffn, ffn] if m.activation == "swiglu" else [ffn]  # [gate; up] each split over TP
         self.fc1 = ColumnParallelLinear(m.hidden_size, sum(blocks), tp_group=lc.tp_group, name=f"{name}.fc1",
                                         init=InitSpec(lc.seed, std), bias=m.add_bias_linear, partition_sizes=blocks,
                                         sequence_parallel=lc.sequence_parallel, dtype=lc.dtype, device=lc.device,
                                         gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
-                                        linear_impl=lc.linear_impl())
+                                        linear_impl=lc.ops.linear_impl())
         self.fc2 = RowParallelLinear(ffn, m.hidden_size, tp_group=lc.tp_group, name=f"{name}.fc2",
                                      init=InitSpec(lc.seed, std / math.sqrt(2 * m.num_layers)),
                                      bias=m.add_bias_linear, sequence_parallel=lc.sequence_parallel,
                                      dtype=lc.dtype, device=lc.device,
                                      gradient_accumulation_fusion=lc.gradient_accumulation_fusion,
-                                     linear_impl=lc.linear_impl())
+                                     linear_impl=lc.ops.linear_impl(_residual_branch(m)))
 
-    def forward(self, x, x_amax=None, grad_amax_token=False):
-        """`grad_amax_token=True` (coat): returns (output, fc2's token or None) (RowParallelLinear)."""
-        if self.lc.coat:
-            # Fused FP8 activations: save FP8 1x16 copies, hand fc2 the product and its amax. The SwiGLU
-            # runs inside fc1's autograd node, which then gets its output gradient's amax for free.
-            if self.swiglu:
-                p, p_amax = self.fc1(x, x_amax=x_amax, activation="swiglu")
-            else:
-                p, p_amax = fp8_activation(self.fc1(x, x_amax=x_amax), "gelu")
-            return self.fc2(p, x_amax=p_amax, grad_amax_token=grad_amax_token)
-        h = self.fc1(x, x_amax=x_amax)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+    def forward(self, x):
+        return self.fc2(self.ops.linear_activation(self.fc1, x, self.activation))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, m: ModelConfig, lc: LayerContext, layer_number: int):
         super().__init__()
         name = f"layers.{layer_number}"
-        self.lc, self.hidden_dropout = lc, m.hidden_dropout
+        self.lc, self.ops, self.hidden_dropout = lc, lc.ops, m.hidden_dropout
         self.input_norm = Norm(m, lc, f"{name}.input_norm")
         self.attention = SelfAttention(m, lc, f"{name}.attention", layer_number)
         self.post_attention_norm = Norm(m, lc, f"{name}.post_attention_norm")
         self.mlp = MLP(m, lc, f"{name}.mlp")
-        # coat: return (stream, mlp output, fc2's token) un-added, for the next layer's input norm to add in its
-        # kernel (set by the model for every layer but the last of its chunk).
+        # The last residual add goes into the next layer's input norm: a recipe whose norm adds it (coat) returns it
+        # un-added (a PendingAdd for that norm). Set by the model for every layer but the last of its chunk.
         self.defer_residual = False
-
-    def _residual_dropout(self, h, residual):
-        if self.training and self.hidden_dropout > 0:
-            with _dropout_region(self.lc, inside_tp=False, p=self.hidden_dropout):
-                h = F.dropout(h, self.hidden_dropout, training=True)
-        return residual + h
 
     def _dropout(self, h):
         if self.training and self.hidden_dropout > 0:
@@ -226,34 +207,10 @@ class TransformerLayer(nn.Module):
                 h = F.dropout(h, self.hidden_dropout, training=True)
         return h
 
-    def _forward_coat(self, x, rope, attention_mask):
-        """COAT: the norms save FP8 1x16 copies of the residual stream, emit their output with its amax
-        for the FP8 GEMM; the residual adds are fused into them (the first norm's when the previous layer
-        deferred its add: x is then (stream, branch, token)). Without dropout, each residual branch's FP8
-        linear (projection, fc2) hands its token to the norm that adds its output, whose backward returns the
-        amax of that linear's output gradient: no amax pass for either."""
-        tokens = self.hidden_dropout == 0
-        if isinstance(x, tuple):
-            stream, branch, token = x
-            x, y, y_amax = self.input_norm.fp8_forward(branch, residual=stream, grad_amax_token=token)
-        else:
-            _, y, y_amax = self.input_norm.fp8_forward(x)
-        h, token = self._branch(self.attention(y, rope, attention_mask, x_amax=y_amax, grad_amax_token=tokens),
-                                tokens)
-        x, y, y_amax = self.post_attention_norm.fp8_forward(h, residual=x, grad_amax_token=token)
-        if self.defer_residual:
-            h, token = self._branch(self.mlp(y, x_amax=y_amax, grad_amax_token=tokens), tokens)
-            return x, h, token
-        return x + self._dropout(self.mlp(y, x_amax=y_amax))
-
-    def _branch(self, out, tokens: bool):
-        """A residual branch's (output, token or None), dropout applied (no token then)."""
-        return out if tokens else (self._dropout(out), None)
-
     def forward(self, x, rope=None, attention_mask=None):
-        """x: [s, b, h], or under coat the previous layer's deferred (stream, branch, token). Returns [s, b, h],
-        or that triple when `defer_residual`."""
-        if self.lc.coat:
-            return self._forward_coat(x, rope, attention_mask)
-        x = self._residual_dropout(self.attention(self.input_norm(x), rope, attention_mask), x)
-        return self._residual_dropout(self.mlp(self.post_attention_norm(x)), x)
+        """x: [s, b, h], or the previous layer's output with its last residual add left to this layer's input norm.
+        Returns [s, b, h], or with `defer_residual` what the recipe leaves to the next layer's input norm."""
+        x, h = self.ops.norm(self.input_norm, x)
+        x = self.ops.residual_add(x, self._dropout(self.attention(h, rope, attention_mask)), into_norm=True)
+        x, h = self.ops.norm(self.post_attention_norm, x)
+        return self.ops.residual_add(x, self._dropout(self.mlp(h)), into_norm=self.defer_residual)

@@ -105,10 +105,11 @@ def linear_with_grad_accumulation(x: torch.Tensor, weight: torch.Tensor, bias: O
 
 
 def _set_linear_impl(self, linear_impl) -> None:
-    """`linear_impl` replaces F.linear (the FP8 GEMM path of precision/linear.py, handed in by the model
-    so that parallel/ does not import precision/): called as `impl(x, weight, bias, cache, x_amax=,
-    sp_group=, fuse_wgrad=)`, with `impl.make_cache()` (its per-weight state, e.g. the FP8 weight copy)
-    and `impl.gathers_fp8(sequence_parallel)` (whether it gathers the sequence-parallel input itself)."""
+    """`linear_impl` runs the layer's forward instead of F.linear and this module's communication (the FP8 GEMM
+    path of precision/linear.py, handed in by the model so that parallel/ does not import precision/):
+    `impl.column_parallel(layer, x, activation)` / `impl.row_parallel(layer, x)`, with `impl.make_cache()` (its
+    per-weight state, e.g. the FP8 weight copy). Its inputs and outputs may carry what the neighbouring operations
+    of its recipe exchange with it (precision/handoff.py)."""
     self.linear_impl = linear_impl
     self.fp8_cache = linear_impl.make_cache() if linear_impl is not None and self.weight is not None else None
 
@@ -164,52 +165,20 @@ class ColumnParallelLinear(nn.Module):
 
     _set_linear_impl = _set_linear_impl
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                x_amax: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-                grad_amax_token: bool = False):
-        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes).
-        `activation`: an activation the implementation fuses into this layer (FP8 coat: "swiglu", which
-        returns (output, its amax)); only with the implementation and a rank-local output.
-        `grad_amax_token=True`: returns (y, token or None): the FP8 linear's token (see `fp8_linear`), whose
-        gradient is max |dy| of this rank's output; None without the layer's own FP8 implementation and weight or
-        with a gathered output. The output gradient stays on this rank (also under SP: only dx is reduced)."""
-        if activation is not None and grad_amax_token:
-            raise ValueError(f"{self.weight.global_name}: grad_amax_token is for a plain output; a fused activation "
-                             "returns its own amax")
-        if activation is not None and (self.linear_impl is None or weight is not None or self.gather_output):
-            raise ValueError(f"{self.weight.global_name}: a fused activation needs the layer's own FP8 implementation and weight "
-                             "and a rank-local output (gather_output=False)")
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None, activation: Optional[str] = None):
+        """`weight`: the weight to use instead of the layer's own (the tied output layer's; plain F.linear then).
+        `activation`: an activation the layer's implementation fuses into its autograd node (FP8 coat: "swiglu")."""
         if self.linear_impl is not None and weight is None:
-            with_token = grad_amax_token and not self.gather_output
-            y = self._forward_impl(x, x_amax, activation, with_token)
-            if grad_amax_token:
-                return y if with_token else (y, None)
-            return y
+            return self.linear_impl.column_parallel(self, x, activation)
+        if activation is not None:
+            raise ValueError(f"{self.weight.global_name}: a fused activation needs the layer's own FP8 "
+                             "implementation and weight")
         w = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tp_region(x, self.tp_group)
         y = linear_with_grad_accumulation(x, w, self.bias, self.fuse_wgrad and weight is None)
-        if self.gather_output:
-            y = gather_from_tp_region(y, self.tp_group)
-        return (y, None) if grad_amax_token else y
-
-    def _forward_impl(self, x, x_amax, activation=None, grad_amax_token=False):
-        tp = group_size(self.tp_group)
-        if self.sequence_parallel and self.linear_impl.gathers_fp8(True):
-            # The implementation gathers the (FP8) input itself, with one scale for the whole group.
-            y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
-                                 sp_group=self.tp_group if tp > 1 else None, fuse_wgrad=self.fuse_wgrad,
-                                 activation=activation, grad_amax_token=grad_amax_token)
-        else:
-            if self.sequence_parallel:
-                x = gather_from_sequence_parallel_region(x, self.tp_group)
-                x_amax = x_amax if tp == 1 else None  # a shard's amax is not the gathered tensor's
-            else:
-                x = copy_to_tp_region(x, self.tp_group)
-            y = self.linear_impl(x, self.weight, self.bias, self.fp8_cache, x_amax=x_amax,
-                                 fuse_wgrad=self.fuse_wgrad, activation=activation, grad_amax_token=grad_amax_token)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y
@@ -244,31 +213,19 @@ class RowParallelLinear(nn.Module):
 
     _set_linear_impl = _set_linear_impl
 
-    def forward(self, x: torch.Tensor, x_amax: Optional[torch.Tensor] = None, grad_amax_token: bool = False):
-        """`x_amax`: max |x| of this rank's input when its producer emitted it (FP8 recipes).
-        `grad_amax_token=True`: returns (y, token or None): the FP8 linear's token (see `fp8_linear`), whose
-        gradient is max |dy|. None where that cannot hold: no FP8 linear, or under SP (the GEMM's output
-        gradient is then gathered over TP: its amax is not the one the local consumer sees)."""
+    def forward(self, x: torch.Tensor):
+        if self.linear_impl is not None:
+            return self.linear_impl.row_parallel(self, x)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-            x_amax = None
-        token = None
-        if self.linear_impl is not None:
-            # Without SP the reduction's backward is the identity: every rank's GEMM gets the full dy.
-            with_token = grad_amax_token and not self.sequence_parallel
-            y = self.linear_impl(x, self.weight, None, self.fp8_cache, x_amax=x_amax, fuse_wgrad=self.fuse_wgrad,
-                                 grad_amax_token=with_token)
-            if with_token:
-                y, token = y
-        else:
-            y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
+        y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tp_region(y, self.tp_group)
         if self.bias is not None:
             y = y + self.bias
-        return (y, token) if grad_amax_token else y
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):

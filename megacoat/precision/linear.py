@@ -1,4 +1,4 @@
-"""FP8 linear layers (DESIGN 5.2): forward, dgrad and wgrad GEMMs in FP8 with just-in-time
+"""FP8 linear layers: forward, dgrad and wgrad GEMMs in FP8 with just-in-time
 per-tensor scaling.
 
 - Forward `y = x W^T`: x and W per-tensor E4M3, output bf16 (plus bias).
@@ -45,9 +45,12 @@ from torch import nn
 from ..kernels.fp8 import fp8_gemm_reference
 from ..kernels.fp8_gemm import fp8_wgrad_gemm, lt_gemm_ops
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
-from ..parallel.mappings import all_gather_first, all_reduce, group_size, reduce_scatter_first
+from ..parallel.mappings import (all_gather_first, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
+                                 gather_from_tp_region, group_size, reduce_from_tp_region, reduce_scatter_first,
+                                 reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
 from . import fp8
 from .activations import swiglu_backward_quantized, swiglu_backward_with_amax, swiglu_forward_saving_fp8
+from .handoff import Activation, Handoff, split, value_of
 from .recipe import Fp8Recipe
 
 
@@ -373,11 +376,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 
 # ----------------------------------------------------------------------------- module plumbing
 class Fp8LinearImpl:
-    """What Column/RowParallelLinear call instead of F.linear under an FP8 recipe (given to them by
-    the model, so that parallel/ does not import precision/)."""
+    """The FP8 forward of Column/RowParallelLinear under an FP8 recipe (handed to them by the model, so that
+    parallel/ does not import precision/): the layer's tensor-parallel communication around `fp8_linear`.
 
-    def __init__(self, recipe: Fp8Recipe, device=None):
+    Inputs may be a `Handoff` with their producer's amax (the cast then needs no amax pass). `with_token`: the op
+    that takes the output returns its gradient's amax (the model says so through `LayerOps.linear_impl`): the output
+    comes as a `Handoff` with the linear's token where the output gradient is this rank's own (not through a
+    gathered output, nor a row-parallel output under SP, whose gradient is gathered over TP)."""
+
+    def __init__(self, recipe: Fp8Recipe, device=None, with_token: bool = False):
         self.recipe = recipe
+        self.with_token = with_token
         self.hw_gemm = device_has_fp8_gemm(device) if device is not None else None
         # The extension's C++ GEMM ops: decided here, outside compiled code (loading them inside breaks the graph).
         self.lt_gemm = bool(self.hw_gemm) and lt_gemm_ops() is not None
@@ -394,11 +403,62 @@ class Fp8LinearImpl:
             return False
         return not torch.compiler.is_compiling() or _FP8_GATHER_COMPILES
 
-    def __call__(self, x, weight, bias, cache, x_amax=None, sp_group=None, fuse_wgrad=False, activation=None,
-                 grad_amax_token=False):
-        return fp8_linear(x, weight, bias, cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
-                          fuse_wgrad=fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation,
+    def _linear(self, x, layer, bias, x_amax, sp_group=None, activation=None, grad_amax_token=False):
+        return fp8_linear(x, layer.weight, bias, layer.fp8_cache, self.recipe, x_amax=x_amax, sp_group=sp_group,
+                          fuse_wgrad=layer.fuse_wgrad, hw_gemm=self.hw_gemm, activation=activation,
                           grad_amax_token=grad_amax_token, lt_gemm=self.lt_gemm)
+
+    def column_parallel(self, layer, x: Activation, activation: Optional[str] = None):
+        """ColumnParallelLinear's output (this rank's columns, or all of them with `gather_output`). `activation`
+        ("swiglu", coat): the fused FP8 SwiGLU of the output, returned as a Handoff with its amax."""
+        if activation is not None and layer.gather_output:
+            raise ValueError(f"{layer.weight.global_name}: a fused activation needs a rank-local output "
+                             "(gather_output=False)")
+        x, x_amax = _input(x)
+        with_token = self.with_token and activation is None and not layer.gather_output
+        tp = group_size(layer.tp_group)
+        if layer.sequence_parallel and self.gathers_fp8(True):
+            # fp8_linear gathers the (FP8) input itself, with one scale for the whole group.
+            y = self._linear(x, layer, layer.bias, x_amax, sp_group=layer.tp_group if tp > 1 else None,
+                             activation=activation, grad_amax_token=with_token)
+        else:
+            if layer.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, layer.tp_group)
+                x_amax = x_amax if tp == 1 else None  # a shard's amax is not the gathered tensor's
+            else:
+                x = copy_to_tp_region(x, layer.tp_group)
+            y = self._linear(x, layer, layer.bias, x_amax, activation=activation, grad_amax_token=with_token)
+        if activation is not None:
+            return Handoff(*y)  # (product, its amax)
+        if with_token:
+            return Handoff(y[0], token=y[1])
+        if layer.gather_output:
+            y = gather_from_tp_region(y, layer.tp_group)
+        return y
+
+    def row_parallel(self, layer, x: Activation):
+        """RowParallelLinear's output (summed over TP, or reduce-scattered along the sequence under SP)."""
+        x, x_amax = _input(x)
+        if not layer.input_is_parallel:
+            x = scatter_to_tp_region(x, layer.tp_group)
+            x_amax = None
+        # Without SP the reduction's backward is the identity: every rank's GEMM gets the full output gradient.
+        with_token = self.with_token and not layer.sequence_parallel
+        y = self._linear(x, layer, None, x_amax, grad_amax_token=with_token)
+        if with_token:
+            y, token = y
+        if layer.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, layer.tp_group)
+        else:
+            y = reduce_from_tp_region(y, layer.tp_group)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return Handoff(y, token=token) if with_token else y
+
+
+def _input(x: Activation):
+    """(tensor, its amax or None) of a linear's input (a token on it gets its gradient amax in `value_of`)."""
+    return value_of(x), split(x)[1]
 
 
 def _fp8_caches(module: nn.Module):
