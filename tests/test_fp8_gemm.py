@@ -1,4 +1,4 @@
-"""The cuBLASLt FP8 GEMM extension (kernels/fp8_gemm.py, csrc/fp8_gemm.cu): the weight gradient added into the
+"""The cuBLASLt FP8 GEMM extension (kernels/fp8_gemm.py, csrc/fp8_gemm.cpp): the weight gradient added into the
 fp32 gradient buffer, the forward/dgrad GEMM with a bf16 output, algorithm tuning, and the dispatcher ops the FP8
 linear calls (megacoat_lt::fp8_mm, megacoat_lt::fp8_wgrad).
 
@@ -56,7 +56,7 @@ def test_extension_never_runs_off_gpu():
 
 
 def _declined_problems(dev):
-    """Problems the extension does not take (csrc/fp8_gemm.cu `takes`), each with its out [N, K]."""
+    """Problems the extension does not take (csrc/fp8_gemm.cpp `takes`), each with its out [N, K]."""
     out = torch.zeros(32, 48, device=dev)
     gqt = torch.ones(32, 64, device=dev).to(torch.float8_e5m2)
     xqt = torch.ones(48, 64, device=dev).to(torch.float8_e4m3fn)
@@ -80,7 +80,7 @@ def _declined_problems(dev):
         "bf16 scale": (out, gqt, one.bfloat16(), xqt, one),
         "strided operand": (out, torch.ones(32, 128, device=dev).to(torch.float8_e5m2)[:, :64], one, xqt, one),
         "operand off 16 bytes": (out, off16((32, 64), torch.float8_e5m2), one, xqt, one),
-        # 4 bytes past a 16-byte boundary: cuBLASLt crashed on it (csrc/fp8_gemm.cu)
+        # 4 bytes past a 16-byte boundary: cuBLASLt crashed on it (csrc/fp8_gemm.cpp)
         "out off 16 bytes": (torch.zeros(32 * 48 + 4, device=dev)[1:32 * 48 + 1].view(32, 48), gqt, one, xqt, one),
         "CPU scale": (out, gqt, torch.ones(1), xqt, one),
     }
