@@ -174,7 +174,7 @@ def test_a_current_cached_build_loads_without_messages(first_use, capsys, tmp_pa
     built.write_text("")
     newest = max(os.path.getmtime(p) for p in
                  [os.path.join(cuda_ext.CSRC, "fp8_gemm.cpp")] + [os.path.join(cuda_ext.CSRC, h) for h in
-                                                                   os.listdir(cuda_ext.CSRC) if h.endswith(".h")])
+                                                                   os.listdir(cuda_ext.CSRC) if h.endswith((".h", ".cuh"))])
     os.utime(built, (newest + 1, newest + 1))
     assert cuda_ext.load_extension("fp8_gemm") == "module"
     assert capsys.readouterr().err == "" and calls[0]["extra_ldflags"] == ["-lcublasLt"]

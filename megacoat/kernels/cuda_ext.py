@@ -141,7 +141,7 @@ def _cached_build_is_current(name: str, paths: Sequence[str]) -> bool:
     compilation.)"""
     try:
         built = os.path.getmtime(os.path.join(build_directory(name), f"megacoat_{name}.so"))
-        inputs = list(paths) + glob.glob(os.path.join(CSRC, "*.h"))
+        inputs = list(paths) + glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "*.cuh"))
         return built >= max(os.path.getmtime(p) for p in inputs)
     except OSError:
         return False
