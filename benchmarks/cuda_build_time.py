@@ -34,8 +34,9 @@ t0 = time.time()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     module = load()
+import megacoat
 print(json.dumps({{"name": "{name}", "seconds": time.time() - t0, "built": module is not None, "prebuilt": prebuilt,
-                  "warnings": [str(w.message)[:300] for w in caught]}}))
+                  "megacoat": megacoat.__file__, "warnings": [str(w.message)[:300] for w in caught]}}))
 """
 
 
@@ -45,12 +46,14 @@ def start(name: str, root: str, cache: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc: subprocess.Popen, name: str) -> dict:
+def finish(proc: subprocess.Popen, name: str, root: str) -> dict:
     out, err = proc.communicate()
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return {"name": name, "error": err[-2000:]}
     row = json.loads(lines[-1])
+    if not row["megacoat"].startswith(root):
+        row["error"] = f"imported megacoat from {row['megacoat']}, not from {root}"
     row["messages"] = [line for line in err.splitlines() if line.startswith("megacoat:")]
     return row
 
@@ -71,9 +74,9 @@ def main() -> None:
         t0 = time.time()
         if args.parallel:
             procs = {name: start(name, root, cache) for name in ENTRY}
-            rows = [finish(p, name) for name, p in procs.items()]
+            rows = [finish(p, name, root) for name, p in procs.items()]
         else:
-            rows = [finish(start(name, root, cache), name) for name in ENTRY]
+            rows = [finish(start(name, root, cache), name, root) for name in ENTRY]
         res["total_s"] = time.time() - t0  # includes each process's imports
     res["extensions"] = rows
     for row in rows:
