@@ -123,11 +123,8 @@ def first_use(monkeypatch, tmp_path):
             raise behaviour["error"]
         return "module"
 
-    def no_prebuilt(name):
-        raise ImportError(name)
-
     monkeypatch.setattr(cuda_ext, "cuda_available", lambda: True)
-    monkeypatch.setattr(cuda_ext.importlib, "import_module", no_prebuilt)
+    monkeypatch.setattr(cuda_ext, "installed_build", lambda name: None)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

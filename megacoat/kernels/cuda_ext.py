@@ -147,6 +147,14 @@ def _cached_build_is_current(name: str, paths: Sequence[str]) -> bool:
         return False
 
 
+def installed_build(name: str) -> Optional[object]:
+    """`megacoat._<name>` as setup.py built it, or None."""
+    try:
+        return importlib.import_module(f"megacoat._{name}")
+    except ImportError:
+        return None
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -159,10 +167,9 @@ def load_extension(name: str) -> Optional[object]:
     ext = EXTENSIONS[name]
     if os.environ.get("MEGACOAT_NO_CUDA_EXT") == "1" or not cuda_available():
         return None
-    try:
-        return importlib.import_module(f"megacoat._{name}")
-    except ImportError:
-        pass
+    module = installed_build(name)
+    if module is not None:
+        return module
     from torch.utils import cpp_extension
     paths = [os.path.join(CSRC, s) for s in ext.sources]
     if not all(os.path.exists(p) for p in paths) or cpp_extension.CUDA_HOME is None:
