@@ -345,12 +345,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     `activation="swiglu"` (coat): returns (silu(gate) * up of y = [gate; up], its amax) through the fused
     FP8 SwiGLU, whose backward gives this linear its output gradient's amax.
     `grad_amax_token=True`: returns (y, token). Hand the token to the one consumer of y that computes y's whole
-    gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`, or the fused RoPE over a QKV output,
-    `rope_qkv(qkv, cos, sin, grad_amax_token=token)`): its backward returns max |dy| as the token's
-    gradient, and this linear's backward casts dy with it instead of an amax pass of its own. Every token must
-    reach such a consumer: in eager code a dropped token's gradient is None and the linear makes its own pass,
-    but inside torch.compile'd code it arrives as zeros (AOTAutograd materializes it), an amax of 0 that would
-    saturate the whole gradient.
+    gradient (`fp8_norm(y, ..., residual=r, grad_amax_token=token)`, the fused RoPE over a QKV output
+    `rope_qkv(Handoff(qkv, token=token), cos, sin)`, or precision/handoff.py's `add` and `value_of`): its backward
+    returns max |dy| as the token's gradient, and this linear's backward casts dy with it instead of an amax pass of
+    its own. Every token must reach such a consumer: in eager code a dropped token's gradient is None and the linear
+    makes its own pass, but inside torch.compile'd code it arrives as zeros (AOTAutograd materializes it), an amax of
+    0 that would saturate the whole gradient.
     `lt_gemm`: the GEMMs run the extension's C++ ops (`Fp8LinearImpl` asks `lt_gemm_ops()` at construction)."""
     if activation not in (None, "swiglu"):
         raise ValueError(f"unknown fused activation {activation!r} of the FP8 linear: use None or 'swiglu'")
