@@ -99,7 +99,7 @@ def test_srun_python_forms_one_job(tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert "> world size 2: TP 1 x PP 1 x DP 2" in outs[1][0]  # the last rank prints the log
     assert "iteration" not in outs[0][0]
-    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 def test_srun_refusal_is_a_message(tmp_path):
