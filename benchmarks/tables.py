@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from provenance import ROOT  # noqa: E402
-from tables_env import describe, gpus, hardware_name, utc_date, utc_now  # noqa: E402
+from tables_env import describe, gpus, hardware_name, utc_date  # noqa: E402
 from tables_render import readme, sections_markdown, targets_table, write_plots  # noqa: E402
 from tables_run import (Context, build_code_corpus, build_extensions, command_line, corpus_command,  # noqa: E402
                         execute, gpu_capacity_gib, run_process, run_search, setup_torchao, shell)

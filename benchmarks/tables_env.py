@@ -40,8 +40,8 @@ def utc_date() -> str:
 def gpus() -> List[Dict[str, object]]:
     """[{name, memory_gib, driver}] of the visible NVIDIA GPUs; [] where nvidia-smi is missing or fails."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return []
     if out.returncode != 0:

@@ -282,7 +282,7 @@ def _ok_runs(part: Optional[dict]) -> List[dict]:
 
 
 def _metric(run: Optional[dict], key: str) -> Optional[float]:
-    return (run or {}).get("metrics", {}).get(key)
+    return ((run or {}).get("metrics") or {}).get(key)
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -486,7 +486,7 @@ def analyse_table_d(parts: Dict[str, dict]) -> dict:
         for mine, peer in D_PAIRS:
             a, b = runs.get(mine), runs.get(peer)
             ratio = _ratio(_metric(a, "tokens_per_s"), _metric(b, "tokens_per_s"))
-            if a and b:
+            if ratio is not None:
                 targets.append(_target(f"{p.name}-{mine}-vs-{peer}", f"{SHAPES[p.name].label}: {a['label']} / "
                                        f"{b['label']} tokens/s", ratio, 1.0, ">=", p.name, "x"))
         sections.append({"key": p.name, "title": p.about.split(":")[0], "part": p.name, "rows": rows, "columns": [

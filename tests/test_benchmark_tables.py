@@ -1,0 +1,408 @@
+"""benchmarks/tables.py: parts written once and skipped after (resume), partial and failed parts run again, the
+merged JSON and markdown from synthetic parts, the metrics of a --log-json log, the largest-micro-batch search
+and the planner's estimate. CPU only: the runs here are a tiny fake training script (one slow test runs a real
+table-c2 part cut to a few steps)."""
+import json
+import random
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import tables  # noqa: E402
+import tables_render as render  # noqa: E402
+import tables_run as trun  # noqa: E402
+import tables_spec as spec  # noqa: E402
+
+# A stand-in for pretrain_gpt.py: appends its name to a counter file, writes --log-json records with random
+# throughput (or fails / runs out of memory / sleeps when told).
+FAKE = textwrap.dedent("""
+    import json, random, sys, time
+    a = sys.argv[1:]
+    name, counter = a[a.index("--name") + 1], a[a.index("--counter") + 1]
+    open(counter, "a").write(name + "\\n")
+    if "--fail" in a:
+        print("Traceback: something broke"); sys.exit(3)
+    if "--oom" in a:
+        print("megacoat: out of GPU memory in training step 1."); sys.exit(1)
+    if "--sleep" in a:
+        time.sleep(float(a[a.index("--sleep") + 1]))
+    rng = random.Random(name)
+    with open(a[a.index("--log-json") + 1], "w") as f:
+        for it in (10, 20, 30):
+            f.write(json.dumps({"iteration": it, "lm_loss": 5.0 - it / 100, "tokens_per_s": rng.uniform(1e3, 2e3),
+                                "tflops_per_gpu": rng.uniform(10, 20), "mfu": 0.1, "peak_mem_gib": rng.uniform(1, 2),
+                                "time_per_iter_s": 0.1}) + "\\n")
+        f.write(json.dumps({"iteration": 30, "valid_loss": rng.uniform(3, 4)}) + "\\n")
+""")
+
+
+@pytest.fixture
+def fake_table(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE)
+    counter = tmp_path / "counter.txt"
+
+    def run(name, *extra):
+        return spec.Run(name, f"method {name}", (str(script), "--name", name, "--counter", str(counter)) + extra,
+                        warmup_iters=10, timeout_s=60, info=(("method", name),))
+
+    parts = (spec.Part("p1", "first part", 1, runs=(run("a"), run("b")), device="cpu"),
+             spec.Part("p2", "second part", 1, runs=(run("c"),), device="cpu"))
+
+    def analyse(found):
+        rows = [{"label": r["label"], "tokens_per_s": r["metrics"]["tokens_per_s"]}
+                for p in found.values() for r in p["runs"] if r["metrics"]]
+        return {"sections": [{"key": "s", "title": "all runs", "rows": rows,
+                              "columns": [{"key": "label", "title": "run", "fmt": "text"},
+                                          {"key": "tokens_per_s", "title": "tokens/s", "fmt": "int"}]}],
+                "targets": [], "targets_note": "", "plots": []}
+
+    table = spec.Table("table-x", "a fake table", parts, analyse, device="cpu")
+    monkeypatch.setitem(tables.TABLES, "table-x", table)
+    monkeypatch.setattr(tables, "describe", lambda argv, device: {
+        "date": "2030-01-02T03:04:05Z", "commit": "0123456789abcdef", "changed_files": 0, "hardware": "cpu",
+        "gpu": None, "gpu_count": 0, "cpu": "test", "cpu_count": 2, "torch": "2.x", "cuda": None, "triton": None,
+        "python": "3.x", "command": " ".join(argv)})
+    return table, counter, run
+
+
+def _ran(counter):
+    return counter.read_text().split() if counter.exists() else []
+
+
+def test_parts_are_written_once_and_skipped_after(fake_table, tmp_path):
+    table, counter, _ = fake_table
+    out = tmp_path / "2030-01-02_table-x_cpu"
+    assert tables.main(["table-x", "--out", str(out)]) == 0
+    assert sorted(_ran(counter)) == ["a", "b", "c"]
+    for name in ("p1", "p2"):
+        part = json.loads((out / "parts" / f"{name}.json").read_text())
+        assert part["status"] == "complete" and part["environment"]["commit"] == "0123456789abcdef"
+        assert all(r["outcome"] == "ok" and (out / r["log_json"]).exists() for r in part["runs"])
+    merged = json.loads((out / "table-x.json").read_text())
+    assert merged["missing_parts"] == [] and set(merged["parts"]) == {"p1", "p2"}
+    assert merged["date"] == "2030-01-02" and merged["hardware"] == "cpu"
+    assert "| method a |" in (out / "README.md").read_text()
+
+    # a second call runs nothing; --redo --part runs that part only
+    assert tables.main(["table-x", "--out", str(out)]) == 0
+    assert sorted(_ran(counter)) == ["a", "b", "c"]
+    assert tables.main(["table-x", "--out", str(out), "--part", "p2", "--redo"]) == 0
+    assert sorted(_ran(counter)) == ["a", "b", "c", "c"]
+
+
+def test_one_part_then_the_rest(fake_table, tmp_path):
+    table, counter, _ = fake_table
+    out = tmp_path / "t"
+    assert tables.main(["table-x", "--out", str(out), "--part", "p2"]) == 0
+    merged = json.loads((out / "table-x.json").read_text())
+    assert merged["missing_parts"] == ["p1"] and "`p1`" in (out / "README.md").read_text()
+    assert tables.main(["table-x", "--out", str(out)]) == 0
+    assert sorted(_ran(counter)) == ["a", "b", "c"]
+    assert json.loads((out / "table-x.json").read_text())["missing_parts"] == []
+
+
+def test_a_failed_part_is_kept_aside_and_run_again(fake_table, tmp_path, monkeypatch):
+    table, counter, run = fake_table
+    broken = spec.Part("p1", "first part", 1, runs=(run("a"), run("b", "--fail")), device="cpu")
+    monkeypatch.setitem(tables.TABLES, "table-x", spec.Table("table-x", "t", (broken, table.parts[1]), table.analyse,
+                                                             device="cpu"))
+    out = tmp_path / "t"
+    assert tables.main(["table-x", "--out", str(out), "--part", "p1"]) == 1
+    assert not (out / "parts" / "p1.json").exists()
+    partial = json.loads((out / "parts" / "p1.partial.json").read_text())
+    assert partial["status"] == "failed" and partial["runs"][1]["outcome"] == "failed (exit 3)"
+    assert "something broke" in partial["runs"][1]["error"][-1]
+    monkeypatch.setitem(tables.TABLES, "table-x", table)  # fixed: the part runs again and replaces the partial one
+    assert tables.main(["table-x", "--out", str(out), "--part", "p1"]) == 0
+    assert (out / "parts" / "p1.json").exists() and not (out / "parts" / "p1.partial.json").exists()
+    assert _ran(counter) == ["a", "b", "a", "b"]
+
+
+def test_a_run_past_its_timeout_or_the_budget_leaves_the_part_partial(fake_table, tmp_path, monkeypatch):
+    table, counter, run = fake_table
+    slow = spec.Part("p1", "slow", 1, runs=(replace(run("a", "--sleep", "20"), timeout_s=1), run("b")), device="cpu")
+    monkeypatch.setitem(tables.TABLES, "table-x", spec.Table("table-x", "t", (slow,), table.analyse, device="cpu"))
+    out = tmp_path / "t"
+    assert tables.main(["table-x", "--out", str(out)]) == 1
+    partial = json.loads((out / "parts" / "p1.partial.json").read_text())
+    assert partial["status"] == "partial" and partial["runs"][0]["outcome"].startswith("timed out")
+    assert partial["runs"][0]["seconds"] < 10 and partial["runs"][1]["outcome"] == "ok"
+    # no time left in the part's budget: no run starts
+    assert tables.main(["table-x", "--out", str(out), "--budget-s", "5"]) == 1
+    partial = json.loads((out / "parts" / "p1.partial.json").read_text())
+    assert [r["outcome"] for r in partial["runs"]] == ["skipped: the part's time budget is spent"] * 2
+    assert _ran(counter) == ["a", "b"]
+
+
+def test_merge_refuses_cut_and_full_parts_together(fake_table, tmp_path):
+    table, _, _ = fake_table
+    out = tmp_path / "t"
+    assert tables.main(["table-x", "--out", str(out), "--part", "p1", "--steps", "3"]) == 0
+    assert json.loads((out / "table-x.json").read_text())["steps"] == 3
+    assert tables.main(["table-x", "--out", str(out), "--part", "p2"]) == 2
+
+
+def test_unknown_part_and_gpu_table_without_gpu(fake_table, capsys, monkeypatch):
+    assert tables.main(["table-x", "--part", "p9"]) == 2
+    assert "has no part p9: its parts are p1, p2" in capsys.readouterr().err
+    monkeypatch.setattr(tables, "gpus", lambda: [])
+    assert tables.main(["table-a", "--part", "7b-mbs2"]) == 2
+    assert "runs on a CUDA GPU" in capsys.readouterr().err
+
+
+def test_default_folder_resumes_the_newest_incomplete_one(fake_table, tmp_path, monkeypatch):
+    table, _, _ = fake_table
+    results = tmp_path / "results"
+    old, new = results / "2030-01-01_table-x_cpu", results / "2030-01-05_table-x_cpu"
+    (results / "2030-01-09_table-x_h200").mkdir(parents=True)  # other hardware: not this one
+    for folder in (old, new):
+        (folder / "parts").mkdir(parents=True)
+    (new / "parts" / "p1.json").write_text(json.dumps({"environment": {}}))
+    monkeypatch.setattr(tables, "utc_date", lambda: "2030-02-01")
+    assert tables.resolve_out(None, table, "cpu", None, False, str(results)) == str(new)
+    (new / "parts" / "p2.json").write_text(json.dumps({"environment": {}}))   # complete: a new dated folder
+    assert tables.resolve_out(None, table, "cpu", None, False, str(results)) == str(results /
+                                                                                  "2030-02-01_table-x_cpu")
+    assert tables.resolve_out(None, table, "cpu", None, True, str(results)) == str(results / "2030-01-09_table-x_h200")
+
+
+def test_dry_run_prints_every_command_of_table_a(capsys):
+    assert tables.main(["table-a", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    for part in spec.TABLES["table-a"].parts:
+        assert f"python benchmarks/tables.py table-a --part {part.name}\n" in text
+    assert text.count("python pretrain_gpt.py") == 5 * 3 + 6 * 2   # 15 runs, 6 searches (planner + runs)
+    assert "--fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 " \
+           "--grad-reduce-in-bf16 --log-json" in text
+    assert "--micro-batch-size MB --global-batch-size MB" in text and "--dry-run" in text
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_summarise_log_averages_the_intervals_after_warmup():
+    rng = random.Random(1)
+    records = [{"iteration": it, "lm_loss": rng.uniform(2, 3), "tokens_per_s": rng.uniform(1e4, 2e4),
+                "tflops_per_gpu": rng.uniform(100, 200), "mfu": rng.uniform(0.1, 0.2),
+                "peak_mem_gib": rng.uniform(10, 20), "time_per_iter_s": rng.uniform(0.1, 0.2)}
+               for it in range(5, 45, 5)]
+    records.insert(4, {"iteration": 20, "valid_loss": 3.5})
+    records.append({"iteration": 40, "valid_loss": 3.25})
+    m = trun.summarise_log(records, warmup_iters=10)
+    steps = [r for r in records if "lm_loss" in r]
+    warm = [r for r in steps if r["iteration"] > 10]
+    assert m["intervals"] == len(warm) == 6
+    assert m["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in warm) / 6)
+    assert m["mfu"] == pytest.approx(sum(r["mfu"] for r in warm) / 6)
+    assert m["peak_gib"] == max(r["peak_mem_gib"] for r in steps)   # the peak of every interval, warm-up included
+    assert m["final_train_loss"] == pytest.approx(sum(r["lm_loss"] for r in steps[-5:]) / 5)
+    assert m["valid"] == [[20, 3.5], [40, 3.25]] and m["final_valid_loss"] == 3.25
+    # nothing after the warm-up: the last interval
+    assert trun.summarise_log(records, warmup_iters=100)["tokens_per_s"] == steps[-1]["tokens_per_s"]
+    assert trun.summarise_log([{"iteration": 1, "valid_loss": 2.0}], 0) is None
+
+
+def test_out_of_memory_is_told_apart_from_a_failure(fake_table, tmp_path):
+    _, _, run = fake_table
+    ctx = trun.Context(root=str(tmp_path), out=str(tmp_path / "out"), part="p", device="cpu")
+    assert trun.execute(run("x", "--oom"), ctx)["outcome"] == "out of memory"
+    failed = trun.execute(run("y", "--fail"), ctx)
+    assert failed["outcome"] == "failed (exit 3)" and failed["log_json"] is None
+    ok = trun.execute(run("z"), ctx)
+    assert ok["outcome"] == "ok" and ok["metrics"]["intervals"] == 2 and ok["log_json"] == "raw/p/z.jsonl"
+    skipped = trun.execute(spec.Run("t", "torchao row", ("x.py",), needs=("torchao",)), ctx)
+    assert skipped["outcome"].startswith("skipped: torchao")
+
+
+# ------------------------------------------------------------------------------------ largest micro-batch
+
+
+@pytest.mark.parametrize("fits_up_to,first", [(7, 7), (7, 4), (7, 10), (1, 3), (12, 2)])
+def test_search_finds_the_largest_micro_batch_that_runs(fits_up_to, first):
+    seen = []
+
+    def attempt(mb):
+        seen.append(mb)
+        return {"outcome": "ok" if mb <= fits_up_to else "out of memory"}
+
+    result = trun.search_largest(attempt, first)
+    assert result["largest"] == fits_up_to and result["stopped"] is None
+    assert fits_up_to in seen and (fits_up_to + 1 in seen)   # the largest confirmed and the next one tried
+    assert len(seen) == abs(first - fits_up_to) + (1 if first > fits_up_to else 2)
+
+
+def test_search_stops_on_a_failure_and_when_nothing_fits():
+    r = trun.search_largest(lambda mb: {"outcome": "ok" if mb < 5 else "failed (exit 1)"}, 3)
+    assert r["largest"] == 4 and r["stopped"] == "failed (exit 1)"
+    r = trun.search_largest(lambda mb: {"outcome": "out of memory"}, 3)
+    assert r["largest"] is None and [a["micro_batch"] for a in r["attempts"]] == [3, 2, 1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planner_candidate_is_the_largest_estimate_that_fits(seed):
+    rng = random.Random(seed)
+    base, per = rng.uniform(20, 100), rng.uniform(1, 15)
+    capacity = rng.uniform(50, 140)
+    peaks = {mb: base + per * mb for mb in range(1, 65)}
+    calls = []
+
+    def peak_at(mb):
+        calls.append(mb)
+        return peaks[mb]
+
+    want = max([mb for mb, p in peaks.items() if p <= capacity], default=0)
+    assert trun.planner_candidate(peak_at, capacity) == want
+    assert len(calls) <= 14   # doubling, then bisection
+    assert trun.planner_candidate(lambda mb: None, capacity) is None
+
+
+def test_planned_peak_reads_the_dry_run():
+    text = ("  weights 12.55 GiB | FP8 weight copies 12.06 GiB\n"
+            "  peak with this configuration (estimate) (one micro-batch: the larger of the forward's end and the "
+            "backward's): 134.85 GiB; --fp8-weight-cache auto drops the kept FP8 weight copies (12.06 GiB) where the "
+            "run can use less than 141.95 GiB of a GPU's memory (95% of it for this peak)\n")
+    assert trun.planned_peak(text, 139.0) == pytest.approx(134.85 - 12.06)   # copies dropped on this GPU
+    assert trun.planned_peak(text, 150.0) == pytest.approx(134.85)
+    bf16 = "  peak with this configuration (estimate) (one micro-batch: the larger ...): 113.46 GiB\n"
+    assert trun.planned_peak(bf16, 139.0) == pytest.approx(113.46)
+    assert trun.planned_peak("no plan here", 139.0) is None
+
+
+# ----------------------------------------------------------------------------------- analysis and writers
+
+
+def _speed_part(name, methods, rng, mbs=4):
+    runs = []
+    for m in methods:
+        runs.append({"name": m, "label": spec.METHODS[m].label, "kind": "megacoat", "outcome": "ok",
+                     "info": {"method": m, "micro_batch": mbs}, "metrics": {
+                         "tokens_per_s": rng.uniform(1e4, 9e4), "tflops": rng.uniform(100, 600),
+                         "mfu": rng.uniform(0.1, 0.6), "peak_gib": rng.uniform(20, 130)}})
+    return {"runs": runs, "searches": []}
+
+
+def _search(method, largest, rng):
+    attempts = [{"micro_batch": mb, "outcome": "ok", "run": {"metrics": {"tokens_per_s": rng.uniform(1e4, 3e4),
+                                                                           "peak_gib": rng.uniform(100, 139)}}}
+                for mb in range(largest - 1, largest + 1)]
+    attempts.append({"micro_batch": largest + 1, "outcome": "out of memory", "run": {"metrics": None}})
+    return {"name": method, "label": spec.METHODS[method].label, "largest": largest, "attempts": attempts}
+
+
+def test_table_a_ratios_and_targets_from_synthetic_parts():
+    rng = random.Random(7)
+    parts = {"1p36b-gbs4": _speed_part("1p36b-gbs4", spec.METHODS, rng),
+             "7b-mbs2": _speed_part("7b-mbs2", spec.METHODS, rng, mbs=2),
+             "7b-largest-fp8states": {"runs": [], "searches": [_search("bf16", 6, rng),
+                                                                _search("coat-fp8states", 11, rng)]}}
+    a = spec.analyse_table_a(parts)
+    gbs4 = {r["label"]: r for r in a["sections"][0]["rows"]}
+    by = {r["info"]["method"]: r["metrics"] for r in parts["1p36b-gbs4"]["runs"]}
+    want = by["coat-fp8states"]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
+    assert gbs4[spec.METHODS["coat-fp8states"].label]["vs_bf16"] == pytest.approx(want)
+    targets = {t["key"]: t for t in a["targets"]}
+    assert targets["1p36b-gbs4-speed"]["value"] == pytest.approx(want)
+    assert targets["1p36b-gbs4-speed"]["met"] == (want >= 1.30)
+    b7 = {r["info"]["method"]: r["metrics"] for r in parts["7b-mbs2"]["runs"]}
+    mem = b7["bf16"]["peak_gib"] / b7["coat-fp8states-bf16grads"]["peak_gib"]
+    assert targets["7b-mbs2-memory"]["value"] == pytest.approx(mem)
+    s = parts["7b-largest-fp8states"]["searches"]
+    at_largest = [x["attempts"][1]["run"]["metrics"]["tokens_per_s"] for x in s]   # attempts: largest-1, largest, +1
+    largest = at_largest[1] / at_largest[0]
+    assert targets["7b-largest-speed"]["value"] == pytest.approx(largest)
+    assert targets["7b-mbs2-speed"]["value"] is not None
+    # the 1.36B global batch 32 part is missing: its section has no rows, no target depends on it
+    assert a["sections"][1]["rows"] == [] and all(t["met"] is not None for t in a["targets"])
+    md = render.sections_markdown({"sections": a["sections"]})
+    assert "| 11 |" in md and "Not measured yet." in md
+    assert a["plots"][0]["groups"]["1.36B, micro-batch 4, global batch 4"][spec.METHODS["bf16"].label] == \
+        by["bf16"]["tokens_per_s"]
+
+
+def test_table_c2_ablations_must_be_worse_than_their_method():
+    def part(key, loss):
+        return {"runs": [{"name": key, "label": key, "kind": "megacoat", "log_json": f"raw/{key}/{key}.jsonl",
+                          "metrics": {"final_valid_loss": loss, "valid": [[300, loss]], "final_train_loss": loss}}]}
+
+    losses = {"plain": 4.0, "qwd": 4.004, "tlq-hs": 4.01, "both": 4.011, "qwd-direct": 4.2, "tlq-no-hadamard": 4.009,
+              "tlq-hs-4bit": 4.05}
+    c2 = spec.analyse_table_c2({k: part(k, v) for k, v in losses.items()})
+    t = {x["key"]: x for x in c2["targets"]}
+    assert t["both-gap"]["value"] == pytest.approx(4.011 / 4.0 - 1) and t["both-gap"]["met"] is True
+    assert t["qwd-direct-worse"]["met"] is True and t["tlq-hs-4bit-worse"]["met"] is True
+    assert t["tlq-no-hadamard-worse"]["met"] is False          # better than TLq-HS: the ablation does not hurt
+    assert c2["plots"][0]["runs"]["both"] == "raw/both/both.jsonl"
+    text = render.targets_table(c2["targets"])
+    assert "| **no** |" in text and "+0.28%" in text
+
+
+def test_table_d_counts_peer_flops_with_megacoats_formula():
+    def run(name, kind, tps, tflops=None):
+        return {"name": name, "label": name, "kind": kind, "metrics": {"tokens_per_s": tps, "tflops": tflops,
+                                                                       "peak_gib": 30.0}}
+
+    parts = {"1p36b": {"runs": [run("megacoat-bf16", "megacoat", 50000.0, 450.0),
+                                run("plain", "peer", 40000.0, 999.0),
+                                {"name": "torchao-rowwise", "label": "torchao-rowwise", "kind": "peer",
+                                 "metrics": None, "outcome": "skipped: torchao does not import here"}]}}
+    d = spec.analyse_table_d(parts)
+    rows = {r["label"].split(" (")[0]: r for r in d["sections"][0]["rows"]}
+    assert rows["plain"]["tflops"] == pytest.approx(40000.0 * 450.0 / 50000.0)
+    assert rows["megacoat-bf16"]["vs"] == "1.250x plain"
+    assert "skipped: torchao" in d["sections"][0]["rows"][2]["label"]
+    assert [t["value"] for t in d["targets"]] == [pytest.approx(1.25)]
+
+
+def test_markdown_table_formats_and_escapes():
+    cols = [{"key": "a", "title": "name", "fmt": "text"}, {"key": "b", "title": "tokens/s", "fmt": "int"},
+            {"key": "c", "title": "vs", "fmt": "ratio"}, {"key": "d", "title": "gap", "fmt": "gap"}]
+    rng = random.Random(3)
+    v = rng.uniform(1e4, 1e5)
+    text = render.markdown_table(cols, [{"a": "x | y", "b": v, "c": 1.23456, "d": -0.00123}, {"a": "z"}])
+    lines = text.splitlines()
+    assert lines[0] == "| name | tokens/s | vs | gap |" and lines[1] == "|---|---|---|---|"
+    assert lines[2] == f"| x \\| y | {v:,.0f} | 1.235x | -0.12% |"
+    assert lines[3] == "| z | - | - | - |"
+
+
+def test_with_steps_cuts_every_schedule():
+    run = spec.TABLE_C1_PARTS[0].runs[0]
+    cut = spec.with_steps(run, 10)
+    flags = dict(zip(cut.argv, cut.argv[1:]))
+    assert flags["--train-iters"] == "10" and flags["--eval-interval"] == "10" and flags["--eval-iters"] == "2"
+    assert flags["--lr-warmup-iters"] == "2" and flags["--log-interval"] == "2" and cut.warmup_iters == 5
+    peer = spec.with_steps(spec.TABLE_D_PARTS[0].runs[3], 4)
+    pf = dict(zip(peer.argv, peer.argv[1:]))
+    assert pf["--iters"] == "4" and pf["--warmup"] == "2"
+
+
+def test_every_part_fits_its_budget_on_paper():
+    for table in spec.TABLES.values():
+        names = [p.name for p in table.parts]
+        assert len(set(names)) == len(names)
+        for p in table.parts:
+            assert p.minutes <= 9 and (p.runs or p.searches)
+            assert all(r.timeout_s <= 600 for r in p.runs)
+            run_names = [r.name for r in p.runs]
+            assert len(set(run_names)) == len(run_names)
+
+
+@pytest.mark.slow
+def test_table_c2_part_runs_on_cpu(tmp_path):
+    """The real smallest table-c2 part (4 gloo ranks as 2 x 2), cut to 4 steps."""
+    out = tmp_path / "c2"
+    assert tables.main(["table-c2", "--part", "both", "--steps", "4", "--out", str(out)]) == 0
+    part = json.loads((out / "parts" / "both.json").read_text())
+    run = part["runs"][0]
+    assert run["outcome"] == "ok" and run["metrics"]["iterations"] == 4
+    comm = run["metrics"]["comm_bytes_per_iter"]
+    assert comm.get("grad_intra", 0) > 0 and comm.get("grad_inter", 0) > 0 and comm.get("param", 0) > 0
+    assert run["metrics"]["final_valid_loss"] is not None
+    merged = json.loads((out / "table-c2.json").read_text())
+    assert merged["steps"] == 4 and "both" in merged["parts"]
+    assert "Smoke run" in (out / "README.md").read_text()
