@@ -75,13 +75,14 @@ setup_torchao() {  # the newest torchao wheel under .whl/ whose float8 imports w
 # unchanged source is not rebuilt in every new export), and then ninja alone would keep a stale build of a
 # changed one: torch's source hash only bumps the version inside one process (a later run would load
 # the stale extension). The stamp is the sources' sha256, written after each build.
-for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
-  d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; sum=$(sha256sum "csrc/${ext#*:}" | cut -c1-64)
-  if [ -d "$d" ] && [ "$(cat "$d/.megacoat_src_sha" 2>/dev/null)" != "$sum" ]; then
-    echo "-- ${ext%%:*}: kept build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
+src_sum=$(cat csrc/* | sha256sum | cut -c1-64)   # one stamp for all three: they share headers
+for ext in fused_adamw fp8_gemm sdp4bit; do
+  d="$TORCH_EXTENSIONS_DIR/megacoat_$ext"
+  if [ -d "$d" ] && [ "$(cat "$d/.megacoat_src_sha" 2>/dev/null)" != "$src_sum" ]; then
+    echo "-- $ext: kept build is of other sources, rebuilding" | tee -a $LOG; rm -rf "$d"; fi
 done
-stamp_builds() { for ext in fused_adamw:fused_adamw.cu fp8_gemm:fp8_gemm.cu sdp4bit:sdp4bit_encode.cu; do
-  d="$TORCH_EXTENSIONS_DIR/megacoat_${ext%%:*}"; [ -d "$d" ] && sha256sum "csrc/${ext#*:}" | cut -c1-64 > "$d/.megacoat_src_sha"; done; }
+stamp_builds() { for ext in fused_adamw fp8_gemm sdp4bit; do
+  d="$TORCH_EXTENSIONS_DIR/megacoat_$ext"; [ -d "$d" ] && echo "$src_sum" > "$d/.megacoat_src_sha"; done; }
 if has build; then echo "== build CUDA extensions $(el)" | tee -a $LOG
   MEGACOAT_VERBOSE_BUILD=0 timeout 300 python3 -c "from megacoat.optim.fp8_adam import fused_extension as f; print('fused adamw extension built:', f() is not None)" 2>&1 | tail -5 | tee -a $LOG &
   pid=$!
@@ -184,8 +185,6 @@ if has coat1; then
   # FP8 weights cast at each use instead of kept for the step (only when named)
   c1 coat_castperuse && mc c1_coat_castperuse${C1_TAG:-} ${C1_ITERS:-20} $M1 --fp8-format hybrid --fp8-recipe coat --fp8-weight-cache none
   c1 coat_fp8states && mc c1_coat_fp8states${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
-  # The same with another variant of the fused AdamW kernel (C1_ALT_VARIANT; e.g. one not yet in FASTEST_VARIANT)
-  c1 coat_fp8states_alt && MEGACOAT_ADAMW_VARIANT=${C1_ALT_VARIANT:-6} mc c1_coat_fp8states_v${C1_ALT_VARIANT:-6}${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
   # Inductor's CUDA graphs for the compiled layers (an experiment: is the step host-bound?)
   c1 bf16_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_bf16_cudagraphs${C1_TAG:-} 20 $M1
   c1 coat_cudagraphs && TORCHINDUCTOR_CUDAGRAPHS=1 mc c1_coat_cudagraphs${C1_TAG:-} 20 $M1 --fp8-format hybrid --fp8-recipe coat
