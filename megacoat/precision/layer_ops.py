@@ -33,6 +33,8 @@ class LayerOps:
 
     # The residual add whose sum goes into the next layer's input norm may be left to that norm (`PendingAdd`).
     defers_residual_add = False
+    # The consumers whose backward in this recipe returns the amax of their input's gradient.
+    _token_consumers = (ROPE,)
 
     def __init__(self, fp8: Optional[Fp8Recipe] = None, device=None):
         self.fp8, self.device = fp8, device
@@ -44,8 +46,6 @@ class LayerOps:
         if self.fp8 is None:
             return None
         return Fp8LinearImpl(self.fp8, self.device, with_token=output_to in self._token_consumers)
-
-    _token_consumers = (ROPE,)
 
     def norm(self, norm, x):
         """-> (residual stream, normalized x). `norm`: the layer's Norm module (weight, bias, eps, rms)."""
