@@ -43,6 +43,8 @@ from tables_spec import TABLES, Part, Table, with_steps, with_steps_search  # no
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_BUDGET_S = 570          # a part's wall-time budget: the runs stop being started past it
 DEFAULT_CORPUS_DIR = os.path.join(tempfile.gettempdir(), "megacoat-code-corpus")
+# Checkpoints of resumable runs (table-c1): a run cut by its part's budget continues there on the same machine.
+DEFAULT_SCRATCH = os.path.join(tempfile.gettempdir(), "megacoat-table-checkpoints")
 FOLDER = re.compile(r"^(\d{4}-\d\d-\d\d)_(table-[a-z0-9]+)_([a-z0-9]+)$")
 
 
@@ -207,10 +209,11 @@ def part_status(record: dict) -> str:
 
 
 def run_part(table: Table, part: Part, out: str, argv: List[str], budget_s: float, steps: Optional[int],
-             corpus_dir: str, runner=run_process) -> dict:
+             corpus_dir: str, runner=run_process, scratch: str = DEFAULT_SCRATCH, fresh: bool = False) -> dict:
     t0 = time.monotonic()
-    ctx = Context(root=ROOT, out=out, part=part.name, device=part.device, deadline=t0 + budget_s)
     env = describe(argv, part.device)
+    ctx = Context(root=ROOT, out=out, part=part.name, device=part.device, deadline=t0 + budget_s, scratch=scratch,
+                  key=f"{table.name}-{(env.get('commit') or 'nocommit')[:12]}-{steps or 'full'}", fresh=fresh)
     record = {"table": table.name, "part": part.name, "about": part.about, "status": "running", "steps": steps,
               "environment": env, "prepare": {}, "runs": [], "searches": [], "notes": []}
     record["prepared"] = prepare(part, ctx, corpus_dir, record)
@@ -311,6 +314,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                     help="wall seconds of one part: no run starts past it, the part is then left partial")
     ap.add_argument("--corpus-dir", default=DEFAULT_CORPUS_DIR, help="where table-c1's code corpus is built")
+    ap.add_argument("--scratch", default=DEFAULT_SCRATCH,
+                    help="checkpoints of table-c1's runs, so that a part cut by its budget resumes on this machine")
     args = ap.parse_args(argv)
     if args.steps is not None and args.steps < 2:
         ap.error("--steps must be at least 2")
@@ -361,7 +366,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           f"{(done[p.name]['environment']['commit'] or '?')[:7]}): skipped (--redo runs it again)",
                           flush=True)
                     continue
-                record = run_part(table, p, out, call, args.budget_s, args.steps, args.corpus_dir)
+                record = run_part(table, p, out, call, args.budget_s, args.steps, args.corpus_dir,
+                                  scratch=args.scratch, fresh=args.redo)
                 print(f"[{p.name}] {record['status']} in {record['seconds']:.0f} s", flush=True)
                 if record["status"] != "complete":
                     failed.append(f"{p.name} ({record['status']}: {part_file(out, p.name, partial=True)})")

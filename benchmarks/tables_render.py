@@ -166,18 +166,22 @@ def _bars(plot: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = plot["groups"]
+    colours = {}   # one colour per method, the same in every group
+    for bars in groups.values():
+        for _, key, _ in bars:
+            colours.setdefault(key, f"C{len(colours) % 10}")
     fig, axes = plt.subplots(len(groups), 1, figsize=(9, 1.2 + 0.45 * sum(len(v) for v in groups.values())
                                                       + 0.6 * len(groups)), squeeze=False)
-    for ax, (title, values) in zip(axes[:, 0], groups.items()):
-        labels = [k.replace("`", "") for k in values]
-        ax.barh(range(len(values)), list(values.values()), color=[f"C{i}" for i in range(len(values))])
-        ax.set_yticks(range(len(values)), labels, fontsize=8)
+    for ax, (title, bars) in zip(axes[:, 0], groups.items()):
+        values = [v for _, _, v in bars]
+        ax.barh(range(len(bars)), values, color=[colours[k] for _, k, _ in bars])
+        ax.set_yticks(range(len(bars)), [label.replace("`", "") for label, _, _ in bars], fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-        for i, v in enumerate(values.values()):
+        for i, v in enumerate(values):
             ax.text(v, i, f" {v:,.0f}" if v >= 100 else f" {v:.2f}", va="center", fontsize=7)
-        ax.set_xlim(0, max(values.values()) * 1.15)
+        ax.set_xlim(0, max(values) * 1.15)
     axes[-1, 0].set_xlabel(plot["ylabel"])
     fig.suptitle(plot["title"], fontsize=10)
     fig.tight_layout()

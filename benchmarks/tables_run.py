@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,9 @@ class Context:
     deadline: float = math.inf               # time.monotonic() by which the part must end
     corpus: Optional[dict] = None            # build_code_corpus()
     torchao_path: Optional[str] = None       # "" when torchao imports as installed; None when it does not
+    scratch: Optional[str] = None            # checkpoints of resumable runs (Run.save_interval), outside `out`
+    key: str = ""                            # names this table, commit and step count among the checkpoints there
+    fresh: bool = False                      # resumable runs start over (their checkpoints are removed first)
     notes: List[str] = field(default_factory=list)
 
     def env(self) -> Dict[str, str]:
@@ -180,8 +184,21 @@ def execute(run: Run, ctx: Context, runner=run_process) -> dict:
     fill = {}
     if ctx.corpus:
         fill = {"corpus": ctx.corpus["prefix"], "tokenizer": ctx.corpus["tokenizer"]}
-    argv = command_line(run, ctx.python, fill) + (["--log-json", log_json] if run.kind == "megacoat"
-                                                  else ["--json", log_json])
+    checkpoints = None
+    if run.save_interval and ctx.scratch:
+        # The log is kept beside the checkpoints while the run is unfinished: a resumed run appends to it.
+        checkpoints = os.path.join(ctx.scratch, f"{ctx.key}-{ctx.part}-{run.name}")
+        if ctx.fresh or not os.path.exists(os.path.join(checkpoints, "latest_checkpointed_iteration.txt")):
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            if os.path.exists(checkpoints + ".jsonl"):
+                os.remove(checkpoints + ".jsonl")
+        os.makedirs(ctx.scratch, exist_ok=True)
+    logged = checkpoints + ".jsonl" if checkpoints else log_json
+    argv = command_line(run, ctx.python, fill) + (["--log-json", logged] if run.kind == "megacoat"
+                                                  else ["--json", logged])
+    if checkpoints:
+        argv += ["--save", checkpoints, "--load", checkpoints, "--save-interval", str(run.save_interval),
+                 "--save-retain", "1"]
     shown = ["python"] + [display_path(a, ctx.root) if os.path.isabs(a) else a for a in argv[1:]]
     result = {"name": run.name, "label": run.label, "kind": run.kind, "info": run.meta(), "command": shell(shown),
               "returncode": None, "seconds": 0.0, "metrics": None, "log": ctx.relative(text_log),
@@ -202,6 +219,13 @@ def execute(run: Run, ctx: Context, runner=run_process) -> dict:
     result["returncode"] = code
     with open(text_log, "w") as f:
         f.write(_trim(output))
+    if checkpoints and os.path.exists(logged):
+        shutil.copyfile(logged, log_json)
+        if code == 0:  # finished: nothing to resume
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            os.remove(logged)
+        elif code is None:
+            result["resumable_from"] = checkpoints
     records = read_json_lines(log_json)
     metrics = summarise_log(records, run.warmup_iters) if run.kind == "megacoat" else summarise_peer(records)
     if code == 0 and metrics:

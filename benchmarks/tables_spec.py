@@ -79,6 +79,8 @@ class Run:
     nproc: int = 1
     needs: Tuple[str, ...] = ()        # "torchao" (its rows are skipped where it does not import), "corpus"
     info: Tuple[Tuple[str, object], ...] = ()   # shape, method, micro_batch, global_batch: what the rows show
+    save_interval: Optional[int] = None  # resumable: checkpoints every this many steps, and a run cut by the part's
+    #                                      time budget continues from the last one when its part runs again there
 
     def meta(self) -> Dict[str, object]:
         return dict(self.info)
@@ -203,7 +205,7 @@ C1_METHODS = (
 TABLE_C1_PARTS = tuple(
     Part(key, f"~125M, {C1_STEPS} steps on the code corpus: {label}", 7,
          runs=(Run(key, label, ("pretrain_gpt.py",) + C1_FLAGS + flags, warmup_iters=100, timeout_s=580,
-                   needs=("corpus",), info=(("method", key),)),),
+                   needs=("corpus",), info=(("method", key),), save_interval=500),),
          prepare=("extensions", "corpus"))
     for key, label, flags in C1_METHODS)
 
@@ -321,6 +323,7 @@ def _largest_rows(part_name: str, part: Optional[dict]) -> List[dict]:
         run = _largest_run(s)
         tried = ", ".join(f"{a['micro_batch']}: {a['outcome']}" for a in s.get("attempts", []))
         rows.append({"label": s["label"], "micro_batch": s.get("largest"),
+                     "bar": f"{s['label']}, micro-batch {s.get('largest')} ({part_name.rsplit('-', 1)[-1]})",
                      "tokens_per_s": _metric(run, "tokens_per_s"),
                      "vs_bf16": _ratio(_metric(run, "tokens_per_s"), base_tps), "peak_gib": _metric(run, "peak_gib"),
                      "tried": tried, "part": part_name})
@@ -376,17 +379,18 @@ def analyse_table_a(parts: Dict[str, dict]) -> dict:
                            "micro-batch 2", _ratio(_metric(runs.get("bf16"), "peak_gib"),
                                                    _metric(runs.get("coat-fp8states-bf16grads"), "peak_gib")),
                            1.40, ">=", "7b-mbs2", "x"))
-    plots = [_bars("tokens_per_s.png", "tokens/s per method (one H200)", "tokens/s", sections, "tokens_per_s"),
-             _bars("peak_memory.png", "peak memory per method (one H200)", "peak GiB", sections, "peak_gib")]
+    plots = [_bars("tokens_per_s.png", "tokens/s per method (one GPU)", "tokens/s", sections, "tokens_per_s"),
+             _bars("peak_memory.png", "peak memory per method (one GPU)", "peak GiB", sections, "peak_gib")]
     return {"sections": sections, "targets": targets, "targets_note": SAME_PART, "plots": plots}
 
 
 def _bars(file: str, title: str, ylabel: str, sections: List[dict], key: str) -> dict:
+    """One group of bars per section: [bar label, what sets its colour (the method), value] per row."""
     groups = {}
     for s in sections:
-        values = {r["label"]: r[key] for r in s["rows"] if r.get(key) is not None}
-        if values:
-            groups[s["title"].split(";")[0]] = values
+        bars = [[r.get("bar", r["label"]), r["label"], r[key]] for r in s["rows"] if r.get(key) is not None]
+        if bars:
+            groups[s["title"].split(";")[0]] = bars
     return {"kind": "bars", "file": file, "title": title, "ylabel": ylabel, "groups": groups}
 
 
@@ -493,9 +497,9 @@ def analyse_table_d(parts: Dict[str, dict]) -> dict:
             _col("label", "system", "text"), _col("tokens_per_s", "tokens/s", "int"),
             _col("tflops", "TFLOP/s (megacoat's FLOP count)", "float1"), _col("mfu", "MFU", "pct1"),
             _col("peak_gib", "peak GiB", "gib"), _col("vs", "megacoat / peer", "text")]})
-    plots = [_bars("tokens_per_s.png", "tokens/s: megacoat and its peers (one H200)", "tokens/s", sections,
+    plots = [_bars("tokens_per_s.png", "tokens/s: megacoat and its peers (one GPU)", "tokens/s", sections,
                    "tokens_per_s"),
-             _bars("peak_memory.png", "peak memory: megacoat and its peers (one H200)", "peak GiB", sections,
+             _bars("peak_memory.png", "peak memory: megacoat and its peers (one GPU)", "peak GiB", sections,
                    "peak_gib")]
     return {"sections": sections, "targets": targets, "targets_note": SAME_PART, "plots": plots}
 
@@ -532,7 +536,8 @@ def with_steps(run: Run, steps: int) -> Run:
     argv = _set_flag(argv, "--eval-interval", lambda n: min(n, steps) if n else 0)
     argv = _set_flag(argv, "--eval-iters", lambda n: min(n, 2))
     argv = _set_flag(argv, "--lr-warmup-iters", lambda n: min(n, max(1, steps // 5)))
-    return replace(run, argv=argv, warmup_iters=min(run.warmup_iters, max(0, steps // 2)))
+    return replace(run, argv=argv, warmup_iters=min(run.warmup_iters, max(0, steps // 2)),
+                   save_interval=run.save_interval and min(run.save_interval, max(1, steps // 2)))
 
 
 def with_steps_search(search: LargestBatch, steps: int) -> LargestBatch:

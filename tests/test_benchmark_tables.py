@@ -2,6 +2,7 @@
 merged JSON and markdown from synthetic parts, the metrics of a --log-json log, the largest-micro-batch search
 and the planner's estimate. CPU only: the runs here are a tiny fake training script (one slow test runs a real
 table-c2 part cut to a few steps)."""
+import os
 import json
 import random
 import sys
@@ -320,8 +321,11 @@ def test_table_a_ratios_and_targets_from_synthetic_parts():
     assert a["sections"][1]["rows"] == [] and all(t["met"] is not None for t in a["targets"])
     md = render.sections_markdown({"sections": a["sections"]})
     assert "| 11 |" in md and "Not measured yet." in md
-    assert a["plots"][0]["groups"]["1.36B, micro-batch 4, global batch 4"][spec.METHODS["bf16"].label] == \
-        by["bf16"]["tokens_per_s"]
+    bars = a["plots"][0]["groups"]
+    assert bars["1.36B, micro-batch 4, global batch 4"][0] == ["bf16", "bf16", by["bf16"]["tokens_per_s"]]
+    largest_bars = bars["7B, each method's largest micro-batch (global batch = micro-batch)"]
+    assert [b[0] for b in largest_bars] == ["bf16, micro-batch 6 (fp8states)",
+                                            "coat + FP8 optimizer states, micro-batch 11 (fp8states)"]
 
 
 def test_table_c2_ablations_must_be_worse_than_their_method():
@@ -376,6 +380,7 @@ def test_with_steps_cuts_every_schedule():
     flags = dict(zip(cut.argv, cut.argv[1:]))
     assert flags["--train-iters"] == "10" and flags["--eval-interval"] == "10" and flags["--eval-iters"] == "2"
     assert flags["--lr-warmup-iters"] == "2" and flags["--log-interval"] == "2" and cut.warmup_iters == 5
+    assert run.save_interval == 500 and cut.save_interval == 5
     peer = spec.with_steps(spec.TABLE_D_PARTS[0].runs[3], 4)
     pf = dict(zip(peer.argv, peer.argv[1:]))
     assert pf["--iters"] == "4" and pf["--warmup"] == "2"
@@ -406,3 +411,112 @@ def test_table_c2_part_runs_on_cpu(tmp_path):
     merged = json.loads((out / "table-c2.json").read_text())
     assert merged["steps"] == 4 and "both" in merged["parts"]
     assert "Smoke run" in (out / "README.md").read_text()
+
+
+def test_a_search_part_asks_the_planner_then_confirms_with_runs(fake_table, tmp_path, monkeypatch):
+    """A part of table-a's kind (largest micro-batch searches) with a stand-in for pretrain_gpt.py: the planner's
+    estimate grows by 10 GiB per sample from 20; micro-batches above `fits` run out of memory."""
+    table, _, _ = fake_table
+    calls, fits = [], {"bf16": 7, "coat": 9}
+
+    def runner(argv, cwd, env, timeout):
+        mb = int(argv[argv.index("--micro-batch-size") + 1])
+        method = "coat" if "--coat" in argv else "bf16"
+        calls.append((method, mb, "--dry-run" in argv))
+        if "--dry-run" in argv:
+            return 0, f"  peak with this configuration (estimate) (one micro-batch: ...): {20 + 10 * mb:.2f} GiB\n"
+        if mb > fits[method]:
+            return 1, "torch.OutOfMemoryError: CUDA out of memory."
+        with open(argv[argv.index("--log-json") + 1], "w") as f:
+            for it in (2, 4, 6, 8):
+                f.write(json.dumps({"iteration": it, "lm_loss": 9.0, "tokens_per_s": 1000.0 * mb + it,
+                                    "peak_mem_gib": 20 + 10 * mb}) + "\n")
+        return 0, "ok"
+
+    def search(method, flags):
+        return spec.LargestBatch(method, method, lambda mb: spec.Run(
+            f"{method}-mbs{mb}", method, ("pretrain_gpt.py", "--micro-batch-size", str(mb)) + flags,
+            warmup_iters=4, info=(("method", method),)))
+
+    part = spec.Part("largest", "searches", 1, searches=(search("bf16", ()), search("coat", ("--coat",))))
+    monkeypatch.setattr(tables, "describe", lambda argv, device: {
+        "date": "2030-01-02T03:04:05Z", "commit": "c", "hardware": "h200", "gpu": {"name": "GPU", "memory_gib": 101.0},
+        "command": "x"})
+    record = tables.run_part(table, part, str(tmp_path / "out"), ["x"], 600, None, str(tmp_path), runner=runner)
+    assert record["status"] == "complete"
+    bf16, coat = record["searches"]
+    assert bf16["capacity_gib"] == pytest.approx(99.99)
+    assert bf16["planner_candidate"] == 7 and coat["planner_candidate"] == 7   # 20 + 10 x 7 = 90 <= 99.99 < 100
+    assert bf16["largest"] == 7 and [a["micro_batch"] for a in bf16["attempts"]] == [7, 8]
+    assert coat["largest"] == 9 and [a["micro_batch"] for a in coat["attempts"]] == [7, 8, 9, 10]
+    assert [a["outcome"] for a in coat["attempts"]] == ["ok", "ok", "ok", "out of memory"]
+    assert coat["attempts"][2]["run"]["metrics"]["tokens_per_s"] == pytest.approx(9000 + 7)   # iterations 6, 8
+    planner = [mb for method, mb, dry in calls if dry and method == "bf16"]
+    assert planner == [2, 4, 8, 6, 7]
+
+
+@pytest.mark.slow
+def test_code_corpus_is_built_once_and_checked_for_size(tmp_path, monkeypatch):
+    """table-c1's corpus: tools/preprocess_data.py over the installed packages (here a small stand-in folder),
+    reused on the next call, refused when smaller than the table needs."""
+    packages = tmp_path / "site-packages"
+    rng = random.Random(2)
+    for i in range(20):
+        (packages / f"pkg{i}").mkdir(parents=True)
+        (packages / f"pkg{i}" / "mod.py").write_text("\n".join(f"def f{j}(x):\n    return x * {rng.randint(0, 99)}"
+                                                              for j in range(50)))
+    monkeypatch.setattr(trun, "site_packages", lambda python: [str(packages)])
+    ctx = trun.Context(root=str(tables.ROOT), out=str(tmp_path / "out"), part="c", device="cpu")
+    with pytest.raises(RuntimeError, match="fewer than the 10,000,000 table-c1 needs"):
+        trun.build_code_corpus(ctx, str(tmp_path / "small"), min_tokens=10_000_000)
+    corpus = trun.build_code_corpus(ctx, str(tmp_path / "corpus"), min_tokens=1000)
+    assert corpus["documents"] == 20 and corpus["tokens"] > 1000 and not corpus["reused"]
+    assert Path(corpus["prefix"] + ".bin").stat().st_size == corpus["bin_bytes"]
+    again = trun.build_code_corpus(ctx, str(tmp_path / "corpus"), min_tokens=1000)
+    assert again["reused"] and again["fingerprint"] == corpus["fingerprint"]
+
+
+RESUMABLE = textwrap.dedent("""
+    import json, os, sys
+    a = sys.argv[1:]
+    save, log = a[a.index("--save") + 1], a[a.index("--log-json") + 1]
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    start = int(open(tracker).read()) if os.path.exists(tracker) else 0
+    stop = int(a[a.index("--stop-at") + 1]) if "--stop-at" in a else 6
+    os.makedirs(save, exist_ok=True)
+    with open(log, "a") as f:
+        for it in range(start + 1, stop + 1):
+            f.write(json.dumps({"iteration": it, "lm_loss": 1.0, "tokens_per_s": 100.0}) + "\\n")
+    open(tracker, "w").write(str(stop))
+""")
+
+
+def test_a_resumable_run_cut_by_the_budget_continues_from_its_checkpoint(tmp_path):
+    script = tmp_path / "resumable.py"
+    script.write_text(RESUMABLE)
+    run = spec.Run("r", "resumable", (str(script),), warmup_iters=0, save_interval=3)
+    scratch = tmp_path / "scratch"
+    calls = []
+
+    def runner(argv, cwd, env, timeout, cut=False):
+        calls.append(argv)
+        code, out = trun.run_process(list(argv) + (["--stop-at", "3"] if cut else []), cwd, env, timeout)
+        return (None if cut else code), out
+
+    def ctx(fresh=False):
+        return trun.Context(root=str(tmp_path), out=str(tmp_path / "out"), part="p", device="cpu",
+                            scratch=str(scratch), key="k", fresh=fresh)
+
+    first = trun.execute(run, ctx(), lambda *a: runner(*a, cut=True))
+    assert first["outcome"].startswith("timed out") and os.path.isdir(first["resumable_from"])
+    assert ["--save-interval", "3"] == calls[0][calls[0].index("--save-interval"):][:2]
+    second = trun.execute(run, ctx(), runner)
+    assert second["outcome"] == "ok" and second["metrics"]["iterations"] == 6
+    log = trun.read_json_lines(str(tmp_path / "out" / second["log_json"]))
+    assert [r["iteration"] for r in log] == [1, 2, 3, 4, 5, 6]      # the cut run's records, then the rest
+    assert not os.listdir(scratch)                                   # finished: its checkpoints are removed
+    # --redo (fresh): a cut run's checkpoints are dropped and the run starts over
+    trun.execute(run, ctx(), lambda *a: runner(*a, cut=True))
+    third = trun.execute(run, ctx(fresh=True), lambda *a: runner(*a, cut=True))
+    log = trun.read_json_lines(str(tmp_path / "out" / third["log_json"]))
+    assert [r["iteration"] for r in log] == [1, 2, 3]
