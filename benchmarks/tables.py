@@ -41,7 +41,9 @@ from tables_run import (Context, build_code_corpus, build_extensions, command_li
 from tables_spec import TABLES, Part, Table, with_steps, with_steps_search  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-DEFAULT_BUDGET_S = 570          # a part's wall-time budget: the runs stop being started past it
+# A part's wall-time budget: no run starts past it. On a GPU machine a command may run 10 minutes; a CPU part
+# (table-c2) is sized for 10 minutes of a 2-core machine but not cut there, where other work may slow it.
+DEFAULT_BUDGET_S = {"cuda": 570, "cpu": 1800}
 DEFAULT_CORPUS_DIR = os.path.join(tempfile.gettempdir(), "megacoat-code-corpus")
 # Checkpoints of resumable runs (table-c1): a run cut by its part's budget continues there on the same machine.
 DEFAULT_SCRATCH = os.path.join(tempfile.gettempdir(), "megacoat-table-checkpoints")
@@ -311,8 +313,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="compile the CUDA extensions, build the corpus, unpack torchao (what the parts need first)")
     ap.add_argument("--redo", action="store_true", help="run the selected parts even where already written")
     ap.add_argument("--steps", type=int, help="cut every run to this many steps (a plumbing check: not the table)")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help="wall seconds of one part: no run starts past it, the part is then left partial")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall seconds of one part: no run starts past it, the part is then left partial "
+                         f"(default: {DEFAULT_BUDGET_S['cuda']} on a GPU, {DEFAULT_BUDGET_S['cpu']} for a CPU table)")
     ap.add_argument("--corpus-dir", default=DEFAULT_CORPUS_DIR, help="where table-c1's code corpus is built")
     ap.add_argument("--scratch", default=DEFAULT_SCRATCH,
                     help="checkpoints of table-c1's runs, so that a part cut by its budget resumes on this machine")
@@ -366,7 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           f"{(done[p.name]['environment']['commit'] or '?')[:7]}): skipped (--redo runs it again)",
                           flush=True)
                     continue
-                record = run_part(table, p, out, call, args.budget_s, args.steps, args.corpus_dir,
+                budget = args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S[p.device]
+                record = run_part(table, p, out, call, budget, args.steps, args.corpus_dir,
                                   scratch=args.scratch, fresh=args.redo)
                 print(f"[{p.name}] {record['status']} in {record['seconds']:.0f} s", flush=True)
                 if record["status"] != "complete":
