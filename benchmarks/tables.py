@@ -126,7 +126,8 @@ def _shown(argv: List[str]) -> str:
     return shell([a.replace(str(SENTINEL), "MB") for a in argv])
 
 
-def plan_text(table: Table, parts: List[Part], out: str, steps: Optional[int]) -> str:
+def plan_text(table: Table, parts: List[Part], out: str, steps: Optional[int], corpus_dir: str = DEFAULT_CORPUS_DIR,
+              scratch: str = DEFAULT_SCRATCH) -> str:
     total = sum(p.minutes for p in parts)
     where = "a CPU" if table.device == "cpu" else "one H200"
     lines = [f"{table.name}: {table.title}. {len(parts)} part(s), about {total:.0f} minutes on {where} with warm "
@@ -141,16 +142,22 @@ def plan_text(table: Table, parts: List[Part], out: str, steps: Optional[int]) -
             lines.append("  first: compile the CUDA extensions, all three at once (quick once cached; "
                          "--prepare-only does it ahead)")
         if "corpus" in p.prepare:
-            lines.append("  first: the code corpus, once per machine: the built-in corpus's tokenizer, then "
+            lines.append("  first: the code corpus, once per machine: the built-in corpus's tokenizer "
+                         "(<tokenizer.model>), then "
                          + shell(corpus_command("python", ["<site-packages>"], "<tokenizer.model>",
-                                                "<corpus-dir>/sitepackages", 16)))
+                                                os.path.join(corpus_dir, "sitepackages"), 16)))
         if "torchao" in p.prepare:
             lines.append("  first: torchao's float8 from the environment or a wheel under .whl/ (else its rows "
                          "are skipped)")
         for run in p.runs:
             run = with_steps(run, steps) if steps else run
+            fill = {"corpus": os.path.join(corpus_dir, "sitepackages_text_document"), "tokenizer": "<tokenizer.model>"}
             log = f"{'--log-json' if run.kind == 'megacoat' else '--json'} <out>/raw/{p.name}/{run.name}.jsonl"
-            lines.append(f"  {run.name}: {shell(command_line(run))} {log}")
+            if run.save_interval:
+                saved = os.path.join(scratch, f"{table.name}-<commit>-{steps or 'full'}-{p.name}-{run.name}")
+                log = (f"--log-json {saved}.jsonl --save {saved} --load {saved} --save-interval {run.save_interval} "
+                       "--save-retain 1 (the log is copied to <out>/raw/ after)")
+            lines.append(f"  {run.name}: {shell(command_line(run, fill=fill))} {log}")
         for s in p.searches:
             s = with_steps_search(s, steps) if steps else s
             argv = command_line(s.make(SENTINEL))
@@ -341,7 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.dry_run:
             out = args.out or ("<a scratch folder>" if args.steps else
                                os.path.join(RESULTS, f"{utc_date()}_{table.name}_{hardware or '<gpu>'}"))
-            print(plan_text(table, parts, out, args.steps))
+            print(plan_text(table, parts, out, args.steps, args.corpus_dir, args.scratch))
             return 0
         if hardware is None and not args.merge_only:
             raise UsageError(f"{table.name} runs on a CUDA GPU and nvidia-smi finds none here: run it on a GPU "
