@@ -238,7 +238,13 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = _f(None, "Layers per recomputed group (uniform) or recomputed layers per "
                                                    "stage (block). Default: 1 (uniform), all (block).")
     dry_run: bool = _f(False, "Plan the run without training: build the config, layout and buffer/bucket/shard plan "
-                              "under a fake process group and print per-rank memory and bytes sent per step.")
+                              "under a fake process group and print per-rank memory and bytes sent per step, and "
+                              "the predicted step time on --hardware.")
+    hardware: str = _f("h200", "With --dry-run: the machine the step time is predicted for: a name shipped with "
+                               "megacoat (megacoat/training/hardware/NAME.json) or a JSON file written by "
+                               "benchmarks/calibrate.py.")
+    inter_node_gbps: Optional[float] = _f(None, "With --dry-run: the link between nodes, Gb/s per GPU (e.g. 400 for "
+                                                "one NDR InfiniBand NIC per GPU). Default: the --hardware file's.")
 
 
 @dataclass
@@ -474,6 +480,7 @@ _RANGES = (
     ("train", "exit_interval", ">=1", ""),
     ("train", "max_skipped_iterations", ">=1", ""),
     ("train", "recompute_num_layers", ">=1", ""),
+    ("train", "inter_node_gbps", ">0 finite", " (Gb/s per GPU, e.g. 400)"),
     ("logging", "peak_tflops", ">0 finite", ""),
     ("checkpoint", "save_interval", ">=1", ""),
     ("checkpoint", "exit_duration_in_mins", ">=0 finite", " (0: save and exit at the first check)"),

@@ -10,14 +10,16 @@ shards are the ones a real run makes, so are the configuration errors. Reported 
 - an activation estimate per micro-batch for each precision recipe (bf16, FP8 tensorwise, COAT);
   see `activation_bytes_per_token_layer` for the model (an estimate, not an allocation);
 - bytes this rank sends per step for data-parallel gradient and parameter sync, for plain and
-  each SDP4Bit option, from the same formulas the communication layer counts with.
+  each SDP4Bit option, from the same formulas the communication layer counts with;
+- the step time predicted on the machine of --hardware (training/step_time.py).
+`plan_stages` plans one rank per pipeline stage only (the layout search of tools/plan.py).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from ..comm.sdp4bit import SDP4BitComm
 from ..config import ConfigError, MegacoatConfig, num_microbatches, validate_config
 from ..model.gpt import padded_vocab_size
 from ..model.recompute import RecomputePlan
-from ..model.stages import build_model_chunks
+from ..model.stages import build_model_chunks, stage_layers
 from ..model.transformer import LayerContext
 from ..optim.buffers import ParamGradBuffer, grad_bucket_layout, shard_alignment
 from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
@@ -244,10 +246,11 @@ def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: t
     return out
 
 
-def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, target: torch.device) -> List[RankPlan]:
-    """Plans of every DP rank at the grid position of `rank`: the model is built once on the meta
-    device, the optimizer once per DP rank and state format (shards differ per DP rank: the last
-    one holds the bucket padding, which the per-segment torch AdamW does not allocate)."""
+def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, target: torch.device,
+                  dp_indices: Optional[Sequence[int]] = None) -> List[RankPlan]:
+    """Plans of every DP rank (or of the DP indices given) at the grid position of `rank`: the model is built
+    once on the meta device, the optimizer once per DP rank and state format (shards differ per DP rank: the
+    last one holds the bucket padding, which the per-segment torch AdamW does not allocate)."""
     p = cfg.parallel
     _fake_group(rank, world)
     try:
@@ -264,6 +267,8 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
         step = step_activations(cfg, ctx0, chunks, padded, recipe.params_dtype, target)
         plans = []
         for d, global_rank in enumerate(ctx0.dp_ranks):
+            if dp_indices is not None and d not in dp_indices:
+                continue
             ctx = dataclasses.replace(ctx0, dp_rank=d, rank=global_rank)
             states, masters, layout = {}, {}, None
             for fmt, (mom1, mom2) in STATE_FORMATS.items():
@@ -302,6 +307,62 @@ def plan_run(cfg: MegacoatConfig, world: int, vocab_size: int, target: Optional[
             except ValueError as e:  # layout problems found while building (e.g. uneven two-level groups)
                 raise ConfigError(str(e)) from e
     return sorted(plans, key=lambda pl: pl.ranks[0])
+
+
+def plan_stages(cfg: MegacoatConfig, world: int, vocab_size: int, target: Optional[torch.device] = None
+                ) -> List[RankPlan]:
+    """One plan per pipeline stage, of its largest rank (the last DP rank, which holds the buckets' padding; TP
+    rank 0): what the step-time model and the layout search need, at the cost of a few ranks instead of the
+    world. The middle stages hold equal layers (model.stages.stage_layers), so one is planned and copied."""
+    if dist.is_initialized():
+        raise ConfigError("plan_stages plans without starting ranks: call it from one process.")
+    validate_config(cfg, world)
+    target = target or (torch.device("cpu") if cfg.train.use_cpu else torch.device("cuda"))
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    dp = world // (tp * pp)
+    planned: Dict[int, RankPlan] = {}
+    for stage in sorted({0, min(1, pp - 1), pp - 1}):
+        try:
+            (planned[stage],) = plan_position(cfg, world, stage * dp * tp, vocab_size, target, dp_indices=[dp - 1])
+        except ValueError as e:  # layout problems found while building (e.g. uneven two-level groups)
+            raise ConfigError(str(e)) from e
+    out = []
+    for stage in range(pp):
+        pl = planned.get(stage) or planned[1]
+        chunks = pl.in_flight // min(pp - pl.pp_rank, pl.micro_batches)  # step_activations' in_flight
+        out.append(dataclasses.replace(pl, ranks=[stage * dp * tp + (dp - 1) * tp], pp_rank=stage,
+                                       in_flight=min(pp - stage, pl.micro_batches) * chunks))
+    return out
+
+
+def replan_activations(plans: Sequence[RankPlan], cfg: MegacoatConfig, world: int, vocab_size: int,
+                       target: Optional[torch.device] = None) -> List[RankPlan]:
+    """`plan_stages`' plans for `cfg` where only the micro-batch, the global batch or recomputation differ from
+    the configuration they were planned for: the model state is kept and the activation fields are computed
+    again (step_activations over the stage's layers, model.stages.stage_layers), without building anything."""
+    validate_config(cfg, world)
+    target = target or (torch.device("cpu") if cfg.train.use_cpu else torch.device("cuda"))
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = world // (tp * pp)
+    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    dtype = resolve_precision(cfg.train, target, p.grad_reduce_in_bf16, cfg.precision).params_dtype
+    layers = stage_layers(cfg.model.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                          p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    out = []
+    for pl in plans:
+        ctx = ParallelContext(world_size=world, tp_size=tp, pp_size=pp, dp_size=dp, pp_rank=pl.pp_rank)
+        chunks = [_LayerCount(list(n)) for n in layers[pl.pp_rank]]
+        out.append(dataclasses.replace(pl, micro_batches=num_microbatches(cfg, dp),
+                                       **step_activations(cfg, ctx, chunks, padded, dtype, target)))
+    return out
+
+
+@dataclass
+class _LayerCount:
+    """A model chunk as step_activations reads it: its layers."""
+
+    layers: list
 
 
 def group_plans(plans: List[RankPlan]) -> List[RankPlan]:
@@ -401,8 +462,13 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
 
 def dry_run(cfg: MegacoatConfig, vocab_size: int, stream, launched_world: int = 1) -> List[RankPlan]:
     """Plan and print every rank of a run over --world-size ranks, else over the `launched_world` this was
-    started with (the launcher's WORLD_SIZE)."""
+    started with (the launcher's WORLD_SIZE), then the step time predicted for it on --hardware."""
+    from .hardware import load_hardware
+    from .step_time import format_step_time, predict
+
     world = cfg.parallel.world_size or launched_world
+    hw = load_hardware(cfg.train.hardware, cfg.train.inter_node_gbps)  # a bad file fails before the planning
     plans = plan_run(cfg, world, vocab_size)
     print(format_plan(cfg, world, plans), file=stream, flush=True)
+    print(format_step_time(predict(cfg, world, plans, hw, vocab_size), hw), file=stream, flush=True)
     return plans
