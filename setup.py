@@ -96,6 +96,7 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining with COAT FP8 training and SDP4Bit communication",
     packages=find_packages(include=["megacoat", "megacoat.*"]),
+    package_data={"megacoat.training.hardware": ["*.json"]},  # the machine files of the step-time model
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
