@@ -56,6 +56,7 @@ def _run_until_killed(point, save):
 
 
 @pytest.mark.parametrize("point", ["rank_file", "metadata", "tracker"])
+@pytest.mark.slow
 def test_killed_during_save_keeps_previous_checkpoint(tmp_path, point):
     save = str(tmp_path / "ckpt")
     _run_until_killed(point, save)
@@ -85,6 +86,7 @@ def _tracker_version(save):
     return st.st_ino, st.st_mtime_ns
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(tmp_path):
     """A real kill at arbitrary times while a larger model saves every iteration. Each kill lands
     after the run being killed has itself completed a save (the second run rewinds to iteration 1,

@@ -95,6 +95,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (1, 4)])  # saved at TP 2 x DP 2
+@pytest.mark.slow
 def test_load_at_other_layout(reference, tp, world):
     run_distributed(_load_and_compare, world, tp, reference)
 

@@ -86,6 +86,7 @@ def test_cli_tp2_sp_and_dp2_equal_single(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(a), (name, ref, got)
 
 
+@pytest.mark.slow
 def test_default_main_job_runs(tmp_path):
     """The README's main job (no data flags: the built-in corpus), shortened to a few steps."""
     r = run_cli(["--train-iters", "3", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "1",

@@ -207,6 +207,7 @@ def default_cache(tmp_path_factory):
     return cache
 
 
+@pytest.mark.slow
 def test_default_corpus(tmp_path, default_cache):
     cfg = make_cfg(tmp_path, "--data-cache-path", default_cache)
     tok = build_tokenizer(cfg.data)

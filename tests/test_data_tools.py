@@ -58,6 +58,7 @@ def jsonl_outputs(corpus):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_jsonl_round_trip(corpus, jsonl_outputs, workers):
     out, stderr = jsonl_outputs[workers]
     assert "MB/s" in stderr

@@ -32,6 +32,7 @@ def _last_record(path):
     (["--use-distributed-optimizer", "--ddp-bucket-size", "20000", "--ranks-per-node", "2", "--quantized-weights",
       "--quantized-gradients", "--hadamard-transform"], 4, "qWD+TLq-HS"),
 ])
+@pytest.mark.slow
 def test_dry_run_bytes_equal_a_real_runs_counters(tmp_path, extra, world, option):
     log = tmp_path / "log.jsonl"
     r = run_cli(BASE + extra + ["--log-json", str(log)], nproc=world)
@@ -68,6 +69,7 @@ def _allocated(rank, world, flags, out_dir):
     (["--use-distributed-optimizer", "--ddp-bucket-size", "20000", "--bf16"], 2),
     (["--tensor-model-parallel-size", "2", "--bf16"], 2),
 ])
+@pytest.mark.slow
 def test_dry_run_state_sizes_equal_real_allocations(tmp_path, extra, world):
     flags = [f for f in BASE if f != "--fp32"] + extra
     run_distributed(_allocated, world, flags, str(tmp_path))
@@ -105,6 +107,7 @@ def test_configuration_errors_surface_in_the_dry_run():
         plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--ranks-per-node", "3"]), 4, 301)
 
 
+@pytest.mark.slow
 def test_dry_run_from_the_command_line_plans_a_7b_layout():
     r = run_cli(["--dry-run", "--world-size", "32", "--ranks-per-node", "8", "--num-layers", "32", "--hidden-size",
                  "4096", "--ffn-hidden-size", "11008", "--num-attention-heads", "32", "--seq-length", "4096",
@@ -141,6 +144,7 @@ def test_activation_estimate_with_full_recomputation():
     assert full.activations["coat"] == int(tokens * ((1 + 2) * 2 * h + 2 * per_layer_coat))
 
 
+@pytest.mark.slow
 def test_dry_run_under_a_launcher_prints_one_plan():
     r = run_cli(BASE + ["--dry-run", "--world-size", "4", "--use-distributed-optimizer"], nproc=2, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -96,6 +96,7 @@ def _tasks(tmp_path, action, at, args, world=2):
 
 
 @pytest.mark.parametrize("action", ["kill", "stop"])
+@pytest.mark.slow
 def test_a_dead_or_stuck_rank_makes_the_others_exit(tmp_path, action):
     """Rank 0 is SIGKILLed (or frozen with SIGSTOP) after step 2 with no launcher watching: rank 1
     must exit non-zero within --distributed-timeout-minutes (0.1 = 6 s), not hang."""
@@ -118,6 +119,7 @@ def _losses(path):
     return {x["iteration"]: x["lm_loss"] for x in map(json.loads, open(path)) if "lm_loss" in x}
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_boundary_and_resume_is_exact(tmp_path):
     """DP=2 tasks; SIGTERM reaches rank 0's process group (main process and DataLoader workers) after
     step 3: both ranks save at the same boundary and exit 0; resuming to 8 steps gives exactly the
@@ -216,6 +218,7 @@ def _agree_on_signal(rank, world):
     h.restore()
 
 
+@pytest.mark.slow
 def test_signal_agreement_runs_over_a_host_group():
     from dist_utils import run_distributed
     run_distributed(_agree_on_signal, 2)

@@ -3,6 +3,7 @@ non-sharded optimizer, checkpoints saved at DP=2 resume exactly at DP=1 and DP=4
 convert on load (fp8 <-> fp32) and FP8 states reshard across TP sizes (dequantize -> requantize)."""
 import os
 
+import pytest
 import torch
 
 from dist_utils import run_distributed
@@ -97,6 +98,7 @@ def _resume(rank, world, tmp, states, zero, tp=1):
         assert abs(after[1] - ref["after"][1]) <= 2e-3 * abs(ref["after"][1]), (after, ref["after"])
 
 
+@pytest.mark.slow
 def test_fp8_states_zero_dp2_checkpoint_resume_dp1_dp4_and_conversions(tmp_path):
     tmp = str(tmp_path)
     run_distributed(_train, 2, tmp)
@@ -158,5 +160,6 @@ def _track(rank, world):
     print(f"max relative loss gap vs fp32 states over 12 steps: fp8+expand {gap:.2e}, fp8 absmax {gap_plain:.2e}")
 
 
+@pytest.mark.slow
 def test_fp8_states_track_fp32_states():
     run_distributed(_track, 1)

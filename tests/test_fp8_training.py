@@ -221,6 +221,7 @@ def test_coat_layers_defer_their_last_residual_add_into_the_next_norm(arch):
 
 @pytest.mark.parametrize("recompute,rope_fusion", [(("uniform", 1), False), (("block", 2), False), (None, True),
                                                     (("uniform", 1), True)])
+@pytest.mark.slow
 def test_compiled_coat_model_with_recomputed_groups_equals_eager(recompute, rope_fusion):
     """Compiled layers (aot_eager: the same kernels as eager, so bit-identical) under full recomputation with
     several groups per chunk: the deferred residual add (stream, branch, token) crosses each recomputed group's
@@ -273,6 +274,7 @@ def test_compiled_deferred_coat_layers_equal_eager():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_compiled_fp8_layer_fullgraph_equals_eager():
     _compiled_layer_equals_eager(0, 1, 1, False)
 

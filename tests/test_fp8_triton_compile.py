@@ -208,6 +208,7 @@ print("compiled all")
 '''
 
 
+@pytest.mark.slow
 def test_every_fp8_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT

@@ -84,6 +84,7 @@ def test_fused_linear_layers_match_unfused_over_micro_batches():
         assert a.abs().max() < 100  # the stale 123s were overwritten / zeroed
 
 
+@pytest.mark.slow
 def test_fused_linear_under_torch_compile():
     gen = torch.Generator().manual_seed(3)
     mbs = [torch.randn(4, 3, 16, generator=gen) for _ in range(2)]

@@ -122,6 +122,7 @@ pretrain(parse_args(sys.argv[1:]), on_step=on_step)
 """
 
 
+@pytest.mark.slow
 def test_a_rank_failing_alone_fails_the_job_fast(tmp_path):
     """Rank 1 raises after step 2 while rank 0 goes on into step 3's collectives: the job must end
     with an error well before the (1 minute) collective timeout, not wait in close()'s barrier."""

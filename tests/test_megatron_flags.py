@@ -68,6 +68,7 @@ def test_rampup_batch_size(tmp_path):
         assert x["lr"] == pytest.approx(_cosine(x["consumed_samples"], 0, 30), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_rampup_resume_is_exact(tmp_path):
     flags = BASE + ["--global-batch-size", "8", "--train-samples", "30", "--rampup-batch-size", "2", "2", "12"]
     ckpt = tmp_path / "ckpt"
@@ -105,6 +106,7 @@ def _visible(path) -> list:
     return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
+@pytest.mark.slow
 def test_save_retain_keeps_the_newest(tmp_path):
     ckpt = tmp_path / "ckpt"
     r = run_cli(BASE + ["--global-batch-size", "2", "--train-iters", "7", "--save", str(ckpt), "--save-interval", "2",
@@ -178,10 +180,12 @@ def test_recompute_gives_identical_gradients_single():
     _compare_recompute(0, 1, [])
 
 
+@pytest.mark.slow
 def test_recompute_gives_identical_gradients_tp2_sp():
     run_distributed(_compare_recompute, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
 
 
+@pytest.mark.slow
 def test_rampup_with_interleaved_pipeline(tmp_path):
     flags = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8", "--train-samples", "24"]

@@ -43,6 +43,7 @@ def _context_groups(rank, world, high_priority=()):
 
 
 @pytest.mark.parametrize("high_priority", [(), ("dp", "tp")])
+@pytest.mark.slow
 def test_context_two_level_groups_emulated_nodes(high_priority):
     run_distributed(_context_groups, 4, high_priority)  # high-priority streams: an NCCL option, ignored on gloo
 
@@ -73,6 +74,7 @@ def _ce_tp(rank, world, vocab):
 
 
 @pytest.mark.parametrize("world,vocab", [(1, 37), (2, 37), (4, 50)])
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy_equals_torch(world, vocab):
     if world == 1:
         _ce_single(vocab)

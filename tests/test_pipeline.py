@@ -208,11 +208,13 @@ def run_eval(model, b):
     return masked_mean_loss(model(b["tokens"], b["position_ids"], labels=b["labels"]), b["loss_mask"]).item()
 
 
+@pytest.mark.slow
 def test_pp2_1f1b_equals_single():
     """... with an Inf injected on the first stage at step 1: both stages skip it (global norm)."""
     run_distributed(_pp_vs_single, 2, 1, 2, {}, {}, False, None, 3, 4, True, "cpu", 1)
 
 
+@pytest.mark.slow
 def test_pp4_1f1b_equals_single():
     """More micro-batches than stages, then fewer (the warmup is cut to m)."""
     run_distributed(_pp_vs_single, 4, 1, 4, {}, dict(num_layers=4), False, None, 2, [6, 2], True)
@@ -230,10 +232,12 @@ def test_pp2_uneven_untied_gpt2_style():
     run_distributed(_pp_vs_single, 2, 1, 2, dict(decoder_first_pipeline_num_layers=1), gpt2, False, None, 2, 3, True)
 
 
+@pytest.mark.slow
 def test_pp2_tp2_sp_equals_single():
     run_distributed(_pp_vs_single, 4, 2, 2, {}, {}, True, None, 2, 2, True)
 
 
+@pytest.mark.slow
 def test_pp2_dp2_zero_overlap_interleaved_equals_single():
     """ZeRO with overlapped grad reduce and param gather, interleaved chunks: the tied embedding's
     bucket waits for the embedding-group sum; other buckets launch after each chunk's last backward."""

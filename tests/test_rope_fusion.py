@@ -67,6 +67,7 @@ def _losses(extra, precision=("--fp32",)):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.slow
 def test_a_model_trains_the_same_with_fused_rope(compiled):
     flags = ["--torch-compile" if compiled else "--no-torch-compile"]
     plain, fused = _losses(flags + ["--no-rope-fusion"]), _losses(flags + ["--rope-fusion"])
@@ -122,6 +123,7 @@ def _coat_losses(extra, drop_qkv_token=False, monkeypatch=None):
     return _losses(extra + ["--fp8-format", "hybrid", "--fp8-recipe", "coat"], ("--bf16",))
 
 
+@pytest.mark.slow
 def test_a_coat_model_trains_the_same_with_the_qkv_token(monkeypatch):
     """Eager: with the token (the fused RoPE hands the QKV linear max |dqkv|) exactly the losses of the linear's
     own amax pass. Compiled: those losses too, up to compiled rounding (a token whose gradient arrived as zeros

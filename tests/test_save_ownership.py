@@ -64,6 +64,7 @@ def test_a_second_writer_is_refused_naming_the_owner(held_lock):
     assert not _iters(save)
 
 
+@pytest.mark.slow
 def test_a_second_writer_from_the_command_line_gets_a_message(held_lock):
     save, owner = held_lock
     r = run_cli(COMMON + ["--train-iters", "2", "--save", save, "--load", save])

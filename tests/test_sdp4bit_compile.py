@@ -76,6 +76,7 @@ print("OK", n)
 '''
 
 
+@pytest.mark.slow
 def test_sdp4bit_kernels_compile_for_sm90_with_fast_ptx():
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="0")
     env.pop("TRITON_INTERPRET", None)

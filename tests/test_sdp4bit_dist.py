@@ -79,10 +79,12 @@ def _tlq(rank, world, rpn):
     assert oerr[True] < 0.7 * oerr[False], oerr
 
 
+@pytest.mark.slow
 def test_tlq_hs_two_nodes_of_two():
     run_distributed(_tlq, 4, 2)
 
 
+@pytest.mark.slow
 def test_tlq_hs_two_nodes_of_one_and_one_node_of_two():
     run_distributed(_tlq, 2, 1)   # one rank per node: a single 4-bit level
     run_distributed(_tlq, 2, 2)   # one node: a single 8-bit level
@@ -126,10 +128,12 @@ def _qwd(rank, world, bits, directly):
     assert torch.equal(weights[rank * S:(rank + 1) * S], master.bfloat16())
 
 
+@pytest.mark.slow
 def test_qwd_replicas_identical_no_drift():
     run_distributed(_qwd, 2, 4, False)
 
 
+@pytest.mark.slow
 def test_qwd_directly_is_worse_and_8bit():
     run_distributed(_qwd, 2, 4, True)
     run_distributed(_qwd, 2, 8, False)
@@ -166,6 +170,7 @@ def _repro(rank, world):
     assert not torch.equal(b[rank * S:(rank + 1) * S], outs[0][:S])
 
 
+@pytest.mark.slow
 def test_same_seed_same_result():
     run_distributed(_repro, 4)
 

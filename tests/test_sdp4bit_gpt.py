@@ -4,6 +4,7 @@ worse; TP=2 x DP=2 and PP=2 x DP=2 work (DP replicas bit-identical, losses close
 import gc
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -88,6 +89,7 @@ def _gaps(path):
     return losses, {k: max(abs(a - b) for a, b in zip(v, plain)) for k, v in losses.items()}
 
 
+@pytest.mark.slow
 def test_small_gpt_tracks_plain_2x2(tmp_path):
     """4 ranks as 2 nodes x 2: both SDP4Bit parts on track; the ablations clearly worse."""
     out = tmp_path / "losses.json"
@@ -104,6 +106,7 @@ def test_small_gpt_tracks_plain_2x2(tmp_path):
     assert gap["int4_both_levels"] > gap["tlq_hs"], gap
 
 
+@pytest.mark.slow
 def test_tp2_dp2_and_pp2_dp2(tmp_path):
     for tp, pp in ((2, 1), (1, 2)):
         out = tmp_path / f"tp{tp}pp{pp}.json"
@@ -113,6 +116,7 @@ def test_tp2_dp2_and_pp2_dp2(tmp_path):
         assert gap["both"] < 0.03, (tp, pp, gap)  # measured: TP2xDP2 0.012, PP2xDP2 0.002
 
 
+@pytest.mark.slow
 def test_sdp4bit_with_fp8_optimizer_states_2x2(tmp_path):
     """qWD + TLq-HS over ZeRO shards whose Adam moments are FP8 (groups of 128 never straddle a shard):
     DP replicas stay bit-identical (checked in _train) and the run tracks the same optimizer without SDP4Bit."""

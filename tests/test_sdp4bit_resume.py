@@ -4,6 +4,7 @@ gloo, 2 ranks as 2 nodes of 1: the 4-bit inter-node level and the 4-bit weight d
 stochastic rounding keys on the optimizer's checkpointed iteration, not on per-process counters."""
 import json
 
+import pytest
 from test_cli import TINY, _losses, run_cli
 
 ARGS = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0", "--train-iters", "6",
@@ -12,6 +13,7 @@ ARGS = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0", "--tr
                "--gq-group-size-inter", "32", "--gq-group-size-intra", "32", "--ranks-per-node", "1"]
 
 
+@pytest.mark.slow
 def test_exact_resume_with_quantized_weights_and_gradients(tmp_path):
     ref = tmp_path / "ref.jsonl"
     r = run_cli(ARGS + ["--log-json", str(ref)], nproc=2)

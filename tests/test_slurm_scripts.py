@@ -119,6 +119,7 @@ def fake_slurm(tmp_path):
     return run
 
 
+@pytest.mark.slow
 def test_torchrun_per_node_real_two_node_run(fake_slurm):
     """2 "nodes" on this host, one torchrun each: one DP=2 job over gloo, rendezvous on the first host."""
     port = _free_port()
@@ -144,6 +145,7 @@ def test_torchrun_per_node_real_two_node_run(fake_slurm):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
+@pytest.mark.slow
 def test_srun_one_task_per_gpu_real_run(fake_slurm):
     port = _free_port()
     r, calls = fake_slurm("train.sbatch", TINY + ["--train-iters", "1"], sbatch_opts=["--nodes", "1"],

@@ -70,6 +70,7 @@ def tp2_compiled_bf16_vs_tp1_eager(rank, world, sp, device_type="cpu", hidden=51
 
 
 @pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.slow
 def test_tp2_compiled_bf16_gradients_equal_tp1(sp):
     """Compiled layers with their TP/SP collectives inside the graphs (functional collectives: the in-place
     ones lost the backward reduce-scatter under torch 2.11's compile on the H200)."""
@@ -122,6 +123,7 @@ def compiled_tp2_sp_wgrad_phases(rank, world, device_type, coat):
 
 
 @pytest.mark.parametrize("coat", [False, True])
+@pytest.mark.slow
 def test_compiled_tp2_sp_weight_gradients_run_in_backward(coat):
     """The symptom of the lost reduce-scatter on the H200: weight-gradient GEMMs of compiled TP=2 + SP layers
     ran in the forward (their output gradient no longer depended on the backward's input). coat: the FP8
@@ -130,15 +132,18 @@ def test_compiled_tp2_sp_weight_gradients_run_in_backward(coat):
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True)])
+@pytest.mark.slow
 def test_tp2_equals_tp1(tp, sp):
     run_distributed(_tp_vs_single, 2, tp, sp, {}, 3)
 
 
 @pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.slow
 def test_tp4_equals_tp1(sp):
     run_distributed(_tp_vs_single, 4, 4, sp, dict(group_query_attention=True, num_query_groups=4), 2)
 
 
+@pytest.mark.slow
 def test_tp2_gqa_untied_gpt2_style():
     kw = dict(group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True)
     run_distributed(_tp_vs_single, 2, 2, True, kw, 2)
@@ -147,10 +152,12 @@ def test_tp2_gqa_untied_gpt2_style():
     run_distributed(_tp_vs_single, 2, 2, True, gpt2, 2)
 
 
+@pytest.mark.slow
 def test_dp2_equals_dp1():
     run_distributed(_tp_vs_single, 2, 1, False, {}, 3)
 
 
+@pytest.mark.slow
 def test_tp2_dp2():
     run_distributed(_tp_vs_single, 4, 2, True, {}, 2)
 
@@ -242,5 +249,6 @@ def _dropout_streams(rank, world, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.slow
 def test_dropout_rng_streams_under_tp(sp):
     run_distributed(_dropout_streams, 2, sp)

@@ -57,6 +57,7 @@ def _run(args, nproc, extra_env):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics(tmp_path):
     pytest.importorskip("wandb")
     log = tmp_path / "log.jsonl"
@@ -140,6 +141,7 @@ def test_flatten_metrics():
         {"a": 1.5, "c/grad": 10, "c/param": 0, "ok": 1.0}
 
 
+@pytest.mark.slow
 def test_wandb_run_id_survives_a_restart(tmp_path):
     """With --save, a resumed job (preemption, requeue) logs into the same W&B run."""
     pytest.importorskip("wandb")

@@ -33,17 +33,20 @@ def _zero_vs_single(rank, world, tp, zero_kw, steps, model_kw=None, sp=False, de
 
 
 @pytest.mark.parametrize("world,bucket", [(2, None), (4, 3000), (3, 700)])
+@pytest.mark.slow
 def test_zero_dp_equals_single(world, bucket):
     """DP=2 one bucket; DP=4 and DP=3 (odd) with small buckets: parameters straddle shards."""
     run_distributed(_zero_vs_single, world, 1, dict(bucket_size=bucket), 3)
 
 
+@pytest.mark.slow
 def test_zero_tiny_and_huge_buckets_overlap():
     run_distributed(_zero_vs_single, 2, 1, dict(bucket_size=1, overlap_grad_reduce=True,
                                                 overlap_param_gather=True), 3)
     run_distributed(_zero_vs_single, 2, 1, dict(bucket_size=10**9, overlap_grad_reduce=True), 2)
 
 
+@pytest.mark.slow
 def test_zero_tp2_dp2_sp():
     run_distributed(_zero_vs_single, 4, 2, dict(bucket_size=5000, overlap_grad_reduce=True,
                                                 overlap_param_gather=True), 2, None, True)
@@ -60,6 +63,7 @@ def _straddle_check(rank, world):
     assert b.numel % (world * 2048) == 0  # shards are multiples of the largest quantization group
 
 
+@pytest.mark.slow
 def test_zero_layout_has_straddling_param():
     run_distributed(_straddle_check, 2)
 
@@ -81,6 +85,7 @@ def _overlap_identical(rank, world):
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+@pytest.mark.slow
 def test_overlap_on_off_bitwise_identical():
     run_distributed(_overlap_identical, 2)
 
@@ -107,6 +112,7 @@ def _inf_skips(rank, world):
             assert opt.scalar_state()["adam_step"] == 1.0
 
 
+@pytest.mark.slow
 def test_injected_inf_skips_exactly_that_step_on_every_rank():
     run_distributed(_inf_skips, 2)
 
@@ -161,5 +167,6 @@ def _bf16_grads(rank, world):
     assert diff.abs().max() <= 2e-3  # half the largest possible difference
 
 
+@pytest.mark.slow
 def test_grad_reduce_in_bf16_trains_like_fp32():
     run_distributed(_bf16_grads, 2)
