@@ -32,23 +32,6 @@ def test_exact_resume_single_process(tmp_path):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "6"
 
 
-@pytest.mark.slow
-def test_exact_resume_tp2_async_save(tmp_path):
-    """Two processes (TP 2 with SP), background saves every 2 iterations, exit at 3, resume to 6."""
-    args = COMMON + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "6"]
-    r = run_cli(args + ["--log-json", str(tmp_path / "ref.jsonl")], nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    save = str(tmp_path / "ckpt")
-    run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
-    r = run_cli(run + ["--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")], nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
-    r = run_cli(run + ["--log-json", str(tmp_path / "b.jsonl")], nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "loaded checkpoint" in r.stdout
-    assert _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "ref.jsonl")
-
-
 STATE_FORMATS = {
     "fp8": ["--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp8"],
     "bf16": ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
@@ -65,25 +48,36 @@ def test_async_save_resumes_exactly_for_every_state_format(tmp_path, states, zer
     save = str(tmp_path / "ckpt")
     run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
     first, _ = train(run + ["--exit-interval", "3"])
-    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
     second, _ = train(run)
     assert first + second == ref  # bit-identical
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [False, True], ids=["ddp", "zero"])
-def test_async_save_fp8_states_two_ranks_resumes_exactly(tmp_path, zero):
-    args = COMMON + ["--train-iters", "6"] + STATE_FORMATS["fp8"] + (["--use-distributed-optimizer"] if zero else [])
+def _two_process_async_resume(tmp_path, args):
+    """Background saves every 2 iterations, exit at 3, resume to 6: the losses of one uninterrupted run."""
     r = run_cli(args + ["--log-json", str(tmp_path / "ref.jsonl")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     save = str(tmp_path / "ckpt")
     run = args + ["--save", save, "--load", save, "--async-save", "--save-interval", "2"]
     r = run_cli(run + ["--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(save)) == [".megacoat-save.lock", "iter_0000002", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
     r = run_cli(run + ["--log-json", str(tmp_path / "b.jsonl")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loaded checkpoint" in r.stdout
     assert _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "ref.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # TP 2 with SP, fp32 states
+    STATE_FORMATS["fp8"],  # DP 2, FP8 states
+    STATE_FORMATS["fp8"] + ["--use-distributed-optimizer"],  # DP 2 ZeRO, FP8 states
+], ids=["tp2-sp", "dp2-fp8", "zero2-fp8"])
+def test_exact_resume_two_processes_async_save(tmp_path, layout):
+    _two_process_async_resume(tmp_path, COMMON + ["--train-iters", "6"] + layout)
 
 
 def test_finetune_and_no_load_optim(tmp_path):
