@@ -193,8 +193,9 @@ def summary(cfg: MegacoatConfig, world: int, copies: bool) -> str:
 
 def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recipes: Sequence[str] = RECIPES,
            states: Sequence[str] = STATES, comms: Sequence[str] = COMMS, max_micro_batch: int = 16,
-           recompute: bool = True) -> SearchResult:
-    """Every configuration of `argv` (pretrain_gpt.py flags) over `world` ranks that fits, fastest first."""
+           recompute: bool = True, plans_cache: Optional[dict] = None) -> SearchResult:
+    """Every configuration of `argv` (pretrain_gpt.py flags) over `world` ranks that fits, fastest first.
+    `plans_cache`: a dict kept between searches of the same model (the memory plans do not depend on the machine)."""
     t0 = time.perf_counter()
     fixed = given_choices(argv)
     base = parse_args(list(argv))
@@ -232,7 +233,12 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
                 res.layouts_tried += 1
                 tp0 = time.perf_counter()
                 try:
-                    plans0 = plan_stages(layout, world, vocab_size, GPU)
+                    key = (world, vocab_size, repr(layout))
+                    if plans_cache is None or key not in plans_cache:
+                        plans0 = plan_stages(layout, world, vocab_size, GPU)
+                        if plans_cache is not None:
+                            plans_cache[key] = plans0
+                    plans0 = plans_cache[key] if plans_cache is not None else plans0
                 except ConfigError as e:
                     res.invalid.append(f"TP {tp} PP {pp}{f' vp layers {vp}' if vp else ''}: {e}")
                     continue
@@ -268,19 +274,36 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
     return res
 
 
+def inexactness(c: Candidate) -> int:
+    """How many lossy choices a candidate makes beyond bf16 compute: quantized communication, non-fp32 optimizer
+    states, bf16 gradients (the recipe is the user's to narrow)."""
+    return (("ZeRO plain" not in c.summary and "non-sharded" not in c.summary) + ("fp32 states" not in c.summary)
+            + ("bf16 grads" in c.summary))
+
+
+def preferred(candidates: Sequence[Candidate], margin: float = 0.005) -> Optional[Candidate]:
+    """Of the candidates within `margin` of the fastest, the one with the fewest lossy choices (then the fastest):
+    a quantized format that buys less than half a percent is not worth its error."""
+    if not candidates:
+        return None
+    fastest = max(c.tokens_per_s_per_gpu for c in candidates)
+    close = [c for c in candidates if c.tokens_per_s_per_gpu >= (1 - margin) * fastest]
+    return min(close, key=lambda c: (inexactness(c), -c.tokens_per_s_per_gpu))
+
+
+def layout_of(c: Candidate) -> str:
+    """A candidate's summary without its state, gradient and communication formats."""
+    head, methods = c.summary.split(";", 1)
+    return head + ";" + methods.split(",")[0]
+
+
 def distinct(candidates: Sequence[Candidate], top: int, margin: float = 0.005) -> List[Candidate]:
-    """The `top` fastest configurations that differ in more than the optimizer-state and gradient formats: of
-    each such group the fastest, or its fp32-states-and-gradients version where that is within `margin`."""
+    """The `top` fastest configurations that differ in more than the optimizer-state, gradient and communication
+    formats: of each such group the `preferred` one."""
     groups: Dict[str, List[Candidate]] = {}
     for c in candidates:
-        layout = c.summary.split(";")[0] + ";" + c.summary.split(";")[1].split(",")[0] + c.summary.split(",")[-1]
-        groups.setdefault(layout, []).append(c)
-    out = []
-    for group in groups.values():
-        best = group[0]
-        exact = next((c for c in group if "fp32 states, fp32 grads" in c.summary), None)
-        out.append(exact if exact is not None and exact.tokens_per_s_per_gpu >= (1 - margin) *
-                   best.tokens_per_s_per_gpu else best)
+        groups.setdefault(layout_of(c), []).append(c)
+    out = [preferred(g, margin) for g in groups.values()]
     return sorted(out, key=lambda c: -c.tokens_per_s_per_gpu)[:top]
 
 

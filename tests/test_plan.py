@@ -1,0 +1,140 @@
+"""tools/plan.py and the layout search (training/layout_search.py): every candidate fits the dry run's memory
+planner on every rank, every printed command line parses and passes --dry-run, flags given stay fixed, more link
+bandwidth never makes the best pick slower, and impossible requests get a clear error."""
+import copy
+import dataclasses
+import io
+import os
+import re
+import shlex
+import sys
+
+import pytest
+import torch
+
+from megacoat.config import ConfigError, parse_args
+from megacoat.training.hardware import load_hardware, parse_hardware
+from megacoat.training.layout_search import command_line, distinct, inexactness, layout_of, preferred, search
+from megacoat.training.planner import peak_estimate, plan_run
+from megacoat.training.step_time import methods_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plan as plan_tool  # noqa: E402
+import pretrain_gpt  # noqa: E402
+
+MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+         "--mock-data", "--vocab-size", "1000", "--bf16", "--untie-embeddings-and-output-weights",
+         "--global-batch-size", "32"]
+
+
+def _small_machine(gib: float):
+    """The h200 file with `gib` of memory per GPU: small enough that memory decides what fits."""
+    raw = copy.deepcopy(load_hardware("h200").raw)
+    raw["memory_gib"], raw["reserved_gib"] = gib, 0.0
+    return parse_hardware(raw)
+
+
+def test_every_candidate_fits_the_memory_planner_on_every_rank():
+    hw = _small_machine(0.03)
+    res = search(MODEL + ["--ranks-per-node", "4"], 8, hw, 1000, max_micro_batch=8)
+    assert res.candidates and res.too_large > 0  # memory decided something
+    picked = res.candidates[:: max(1, len(res.candidates) // 12)][:12] + res.candidates[-2:]
+    for c in picked:
+        argv = command_line(MODEL + ["--ranks-per-node", "4"], c)
+        cfg = parse_args(argv)
+        plans = plan_run(cfg, 8, 1000, torch.device("cuda"))  # every rank, the dry run's planner
+        m = methods_of(cfg, 8 // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size))
+        recipe = "bf16" if m.recipe == "fp32" else m.recipe
+        peaks = [peak_estimate(pl if c.fp8_copies else dataclasses.replace(pl, fp8_weight_copies=0),
+                               m.memory_format, recipe) for pl in plans]
+        assert max(peaks) <= hw.usable_bytes, (c.summary, max(peaks), hw.usable_bytes)
+        assert max(peaks) == c.peak_bytes
+
+
+def _printed_commands(text: str):
+    return [shlex.split(line.split("python pretrain_gpt.py ", 1)[1]) for line in text.splitlines()
+            if "python pretrain_gpt.py " in line]
+
+
+def test_printed_command_lines_parse_and_pass_the_dry_run(capsys):
+    out = io.StringIO()
+    argv = MODEL + ["--world-size", "8", "--ranks-per-node", "4", "--hardware", "h200", "--inter-node-gbps", "100",
+                    "--top", "4"]
+    assert plan_tool.plan(argv, out) == 0
+    text = out.getvalue()
+    commands = _printed_commands(text)
+    assert len(commands) == 4 and "configurations fit on 8 GPUs of h200" in text
+    for cmd in commands:
+        assert "--world-size" not in cmd and "--hardware" not in cmd and "--top" not in cmd
+        assert pretrain_gpt.main(cmd + ["--dry-run", "--world-size", "8"]) == 0
+        printed = capsys.readouterr().out
+        assert "dry run: world 8" in printed and "predicted step on h200" in printed
+    # the first pick's predicted tokens/s equals the dry run's for the same command at the same link
+    first = commands[0]
+    shown = float(re.search(r"1\. ([\d,]+) tokens/s per GPU", text).group(1).replace(",", ""))
+    assert pretrain_gpt.main(first + ["--dry-run", "--world-size", "8", "--inter-node-gbps", "100"]) == 0
+    again = re.search(r"\| ([\d,]+) tokens/s per GPU", capsys.readouterr().out).group(1)
+    assert float(again.replace(",", "")) == shown
+
+
+def test_flags_given_stay_fixed():
+    argv = MODEL + ["--ranks-per-node", "4", "--tensor-model-parallel-size", "2", "--fp8-format", "hybrid",
+                    "--fp8-recipe", "coat", "--micro-batch-size", "2"]
+    res = search(argv, 8, load_hardware("h200"), 1000)
+    assert res.candidates
+    for c in res.candidates:
+        assert c.summary.startswith("TP 2 ") and re.search(r"micro-batch 2[,;]", c.summary) and "; coat" in c.summary
+        cmd = command_line(argv, c)
+        assert cmd.count("--tensor-model-parallel-size") == 1 and cmd.count("--micro-batch-size") == 1
+        assert "--fp8-recipe" in cmd and cmd.count("--fp8-format") == 1
+    narrowed = search(MODEL + ["--ranks-per-node", "4"], 8, load_hardware("h200"), 1000, recipes=["bf16"],
+                      states=["fp32"], comms=["plain"])
+    assert narrowed.candidates and all("; bf16, fp32 states" in c.summary and ("ZeRO plain" in c.summary or
+                                                                              "non-sharded" in c.summary)
+                                       for c in narrowed.candidates)
+
+
+def test_a_faster_link_never_makes_the_best_pick_slower():
+    h200 = load_hardware("h200")
+    best = []
+    for gbps in (10, 50, 200, 800):
+        res = search(MODEL + ["--ranks-per-node", "2"], 8, h200.with_inter_node_gbps(gbps), 1000,
+                     recipes=["bf16", "coat"], states=["fp32"], max_micro_batch=4)
+        best.append(res.candidates[0].tokens_per_s_per_gpu)
+    assert best == sorted(best) and best[-1] > best[0]
+
+
+def test_each_layout_is_shown_once_with_exact_formats_unless_lossy_ones_buy_half_a_percent():
+    res = search(MODEL + ["--ranks-per-node", "2"], 8, load_hardware("h200", 25), 1000, max_micro_batch=4)
+    top = distinct(res.candidates, 6)
+    assert len({layout_of(c) for c in top}) == len(top)
+    for c in top:
+        group = [d for d in res.candidates if layout_of(d) == layout_of(c)]
+        fastest = max(d.tokens_per_s_per_gpu for d in group)
+        assert c.tokens_per_s_per_gpu >= 0.995 * fastest
+        # nothing as fast makes fewer lossy choices
+        assert not [d for d in group if d.tokens_per_s_per_gpu >= 0.995 * fastest and inexactness(d) < inexactness(c)]
+    exact = [c for c in res.candidates if inexactness(c) == 0]
+    assert preferred(exact) is exact[0] and "ZeRO plain" in exact[0].summary or "non-sharded" in exact[0].summary
+
+
+def test_impossible_requests_get_a_clear_error(capsys):
+    huge = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads",
+            "64", "--seq-length", "4096", "--mock-data", "--vocab-size", "32000", "--bf16", "--global-batch-size",
+            "8"]
+    assert plan_tool.main(huge + ["--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tools/plan.py: error: nothing fits:" in err and "on 1 GPUs of h200" in err and "Traceback" not in err
+    assert plan_tool.main(MODEL) == 2
+    assert "needs --world-size N" in capsys.readouterr().err
+    assert plan_tool.main(MODEL + ["--world-size", "8", "--recipes", "bf16,fp4"]) == 2
+    assert "--recipes bf16,fp4: choose from bf16, tensorwise, coat" in capsys.readouterr().err
+    assert plan_tool.main(MODEL + ["--world-size", "8", "--hardware", "missing.json"]) == 2
+    assert "no such machine file" in capsys.readouterr().err
+    no_batch = [a for a in MODEL if a not in ("--global-batch-size", "32")]
+    assert plan_tool.main(no_batch + ["--world-size", "8"]) == 2
+    assert "needs --global-batch-size" in capsys.readouterr().err
+    # a fixed layout that cannot be: the refusal says which
+    assert plan_tool.main(MODEL + ["--world-size", "8", "--tensor-model-parallel-size", "3"]) == 2
+    assert "nothing fits" in capsys.readouterr().err
