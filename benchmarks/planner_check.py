@@ -122,8 +122,8 @@ def markdown(rows: List[dict], data: dict, hw: Hardware) -> str:
         "without recomputation, measured together on one machine) and the planner's top one-GPU pick against the "
         "best measured configuration: `python benchmarks/planner_grid.py` measures that grid on one H200.",
         "",
-        "| run | GPUs | link | measured ms | predicted ms | error | predicted tokens/s per GPU | where the prediction's time "
-        "goes (largest) | source |",
+        "| run | GPUs | link | measured ms | predicted ms | error | predicted tokens/s per GPU | where the "
+        "prediction's time goes (largest) | source |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -149,7 +149,8 @@ def compare(out_dir: str) -> str:
                              f"tokens/s, the fastest measured {best['name']} {best['measured_tokens_per_s']:,.0f} "
                              f"({pick['measured_tokens_per_s'] / best['measured_tokens_per_s'] - 1:+.1%}; target "
                              "within 3%).")
-    lines += ["", "| run | measured ms | predicted ms | error | measured tokens/s | peak GiB |", "|---|---|---|---|---|---|"]
+    lines += ["", "| run | measured ms | predicted ms | error | measured tokens/s | peak GiB |",
+              "|---|---|---|---|---|---|"]
     for r in runs:
         if "measured_ms" in r:
             lines.append(f"| {r['name']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "

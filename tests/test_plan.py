@@ -9,10 +9,9 @@ import re
 import shlex
 import sys
 
-import pytest
 import torch
 
-from megacoat.config import ConfigError, parse_args
+from megacoat.config import parse_args
 from megacoat.training.hardware import load_hardware, parse_hardware
 from megacoat.training.layout_search import command_line, distinct, inexactness, layout_of, preferred, search
 from megacoat.training.planner import peak_estimate, plan_run

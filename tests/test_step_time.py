@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megacoat.config import ConfigError, parse_args
-from megacoat.training.hardware import Link, available, load_hardware, parse_hardware
+from megacoat.training.hardware import available, load_hardware, parse_hardware
 from megacoat.training.planner import COMM_OPTIONS, dry_run, plan_run, plan_stages, replan_activations
 from megacoat.training.step_time import (Methods, bucket_comm, exposed_before_use, exposed_behind, methods_of,
                                          predict)
@@ -247,3 +247,11 @@ def test_the_recorded_runs_stay_within_the_stated_tolerances(h200):
     assert got["nvlink"] == pytest.approx(h200.links["intra_node"].overlap, abs=0.01)
     assert got["p2p_off"] == pytest.approx(h200.links["inter_node"].overlap, abs=0.01)
     assert all(got[k] == pytest.approx(v["overlap"], abs=0.01) for k, v in data["links"].items() if k != "source")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_calibrate_refuses_clearly_without_a_gpu(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import calibrate
+    assert calibrate.main(["--name", "x", "--out", os.devnull]) == 2
+    assert "measures a GPU; none is visible" in capsys.readouterr().err

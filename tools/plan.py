@@ -22,12 +22,12 @@ import os
 import re
 import shlex
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.config import ConfigError, parse_args  # noqa: E402
-from megacoat.training.hardware import load_hardware  # noqa: E402
+from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware  # noqa: E402
 from megacoat.training.layout_search import (COMMS, RECIPES, STATES, command_line, distinct,  # noqa: E402
                                              no_fit_message, preferred, search)
 
@@ -84,10 +84,11 @@ def plan(argv: Sequence[str], out=sys.stdout) -> int:
                  args.max_micro_batch, not args.no_recompute)
     if not res.candidates:
         raise ConfigError(no_fit_message(res, world, hw))
-    inter = hw.links["inter_node"].bus_GBps * 8
-    print(f"{len(res.candidates)} configurations fit on {world} GPUs of {hw.name} ({cfg.parallel.ranks_per_node or world}"
-          f" per node, inter-node {inter:.0f} Gb/s per GPU), of {res.configurations} tried over {res.layouts_tried} "
-          f"layouts in {res.seconds:.1f} s (memory planner {res.plan_seconds:.1f} s); fastest first "
+    inter = hw.links["inter_node"].bus_GBps * GBPS_PER_GBYTE
+    rpn = cfg.parallel.ranks_per_node or world
+    print(f"{len(res.candidates)} configurations fit on {world} GPUs of {hw.name} ({rpn} per node, inter-node "
+          f"{inter:.0f} Gb/s per GPU), of {res.configurations} tried over {res.layouts_tried} layouts in "
+          f"{res.seconds:.1f} s (memory planner {res.plan_seconds:.1f} s); fastest first "
           "(predicted, docs/planner.md; layouts that differ only in their state, gradient or communication formats "
           "are shown once, with the exact formats wherever the lossy ones buy less than 0.5%):", file=out)
     for i, c in enumerate(distinct(res.candidates, args.top), 1):

@@ -30,8 +30,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from ..comm.plain import ring_all_reduce_bytes, ring_shard_bytes
 from ..comm.sdp4bit import SDP4BitComm
 from ..config import MegacoatConfig, num_microbatches, resolve_model_defaults
@@ -43,7 +41,6 @@ from ..parallel.context import ParallelContext
 from ..precision.recipe import keep_fp8_weights
 from .hardware import GBPS_PER_GBYTE, Hardware, Link
 from .planner import COMM_OPTIONS, RankPlan, fp8_copies_fit, peak_estimate
-from .schedule import bubble_theory
 
 NO_ZERO = "all-reduce (no ZeRO)"
 
