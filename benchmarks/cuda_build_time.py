@@ -18,6 +18,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from provenance import source_commit  # noqa: E402
 # The entry points, the same at every revision: each returns the extension module or None.
 ENTRY = {"fused_adamw": "from megacoat.optim.fp8_adam import fused_extension as load",
          "sdp4bit": "from megacoat.kernels.sdp4bit import cuda_extension as load",
@@ -65,8 +67,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                            text=True).stdout.strip()
+    commit = source_commit(root)[:7]  # an exported snapshot names its commit in a COMMIT file
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     res = {"root": root, "commit": commit, "cpus": os.cpu_count(), "MAX_JOBS": os.environ.get("MAX_JOBS"),
            "nvcc": nvcc[-1] if nvcc else None, "parallel": args.parallel, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
