@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 
+from bench_timing import timed  # noqa: E402
 from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware, parse_hardware  # noqa: E402
 
 TOKENS = (2048, 4096, 8192, 16384)
@@ -48,17 +49,9 @@ WIDTHS = ((2048, 2048), (2048, 6144), (2048, 11264), (5632, 2048), (4096, 4096),
           (11008, 4096), (8192, 8192), (8192, 10240), (8192, 57344), (28672, 8192), (1024, 1024), (512, 2048))
 
 
-def _time_ms(fn, reps: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
+def _time_ms(fn, reps: int = 10) -> float:
+    """Milliseconds per call: one sample of `reps` calls back to back (bench_timing.timed), as a full queue runs."""
+    return timed(fn, iters=1, reps=reps)
 
 
 def part_gemm(deadline: float) -> dict:
