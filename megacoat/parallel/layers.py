@@ -218,7 +218,10 @@ class RowParallelLinear(nn.Module):
             return self.linear_impl.row_parallel(self, x)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad)
+        return self.reduce_output(linear_with_grad_accumulation(x, self.weight, None, self.fuse_wgrad))
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output summed over TP (reduce-scattered along the sequence under SP), plus the bias."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -46,8 +46,7 @@ from ..kernels.fp8 import fp8_gemm_reference
 from ..kernels.fp8_gemm import fp8_wgrad_gemm, lt_gemm_ops
 from ..kernels.wgrad import placeholder_grad, require_main_grad_storage
 from ..parallel.mappings import (all_gather_first, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
-                                 gather_from_tp_region, group_size, reduce_from_tp_region, reduce_scatter_first,
-                                 reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
+                                 gather_from_tp_region, group_size, reduce_scatter_first, scatter_to_tp_region)
 from . import fp8
 from .activations import swiglu_backward_quantized, swiglu_backward_with_amax, swiglu_forward_saving_fp8
 from .handoff import Activation, Handoff, split, value_of
@@ -447,12 +446,7 @@ class Fp8LinearImpl:
         y = self._linear(x, layer, None, x_amax, grad_amax_token=with_token)
         if with_token:
             y, token = y
-        if layer.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, layer.tp_group)
-        else:
-            y = reduce_from_tp_region(y, layer.tp_group)
-        if layer.bias is not None:
-            y = y + layer.bias
+        y = layer.reduce_output(y)
         return Handoff(y, token=token) if with_token else y
 
 
