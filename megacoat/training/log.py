@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.format import write_file_atomic
 from ..config import MegacoatConfig
 from ..parallel.context import ParallelContext
 from .throughput import peak_memory_gib
@@ -64,12 +65,7 @@ def drop_json_records_after(path: str, iteration: int) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
     if not dropped:
         return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, "".join(kept).encode())
 
 
 class IterationLogger:
