@@ -2,6 +2,7 @@
 HuggingFaceTokenizer (--tokenizer-model DIR), in preprocessing, training and tools/generate.py."""
 import json
 import os
+import shutil
 import random
 import runpy
 
@@ -113,6 +114,28 @@ def test_preprocess_train_generate_with_gpt2bpe(gpt2_files, tmp_path, capsys):
     assert from_ckpt.startswith("the model")
     assert gen["main"](["--load", save, "--prompt", "the model", "--max-new-tokens", "3", "--greedy"] + flags) == 0
     assert capsys.readouterr().out == from_ckpt
+    # A resharded copy carries the tokenizer: it generates the same text once the source is gone.
+    convert = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint", "convert.py"), run_name="convert")
+    copy = str(tmp_path / "tp2")
+    assert convert["main"](["--load-format", "megacoat", "--load-dir", save, "--save-format", "megacoat",
+                            "--save-dir", copy, "--target-tensor-parallel-size", "2"]) == 0
+    shutil.rmtree(os.path.join(save, "iter_0000002", "tokenizer"))
+    capsys.readouterr()
+    assert gen["main"](["--load", copy, "--prompt", "the model", "--max-new-tokens", "3", "--greedy"]) == 0
+    assert capsys.readouterr().out == from_ckpt
+    from megacoat.checkpoint.reader import CheckpointReader
+    data = CheckpointReader(os.path.join(copy, "iter_0000000")).config["data"]
+    assert data["tokenizer_type"] == "GPT2BPETokenizer" and data["vocab_file"].startswith(os.path.abspath(copy))
+    # A checkpoint that records no tokenizer falls back to the default one, larger than this model: refused.
+    from megacoat.checkpoint.format import METADATA_FILE, write_json_atomic
+    it = os.path.join(copy, "iter_0000000")
+    meta = CheckpointReader(it).meta
+    del meta["extra"]["tokenizer"]
+    meta["config"]["data"] = {}
+    write_json_atomic(os.path.join(it, METADATA_FILE), meta)
+    capsys.readouterr()
+    assert gen["main"](["--load", copy, "--prompt", "the model", "--max-new-tokens", "3", "--greedy"]) == 2
+    assert "pass the --tokenizer-* flags" in capsys.readouterr().err
     # A tokenizer with a larger vocabulary than the model is refused, not run past the embedding.
     assert gen["main"](["--load", save, "--prompt", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                         "100000"]) == 2

@@ -71,13 +71,18 @@ def main(argv=None) -> int:
     try:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(a.dtype)
         model = megacoat.load_model(a.load, device=a.device, dtype=dtype)
+        from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
         if a.tokenizer_type:
-            from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
             tokenizer = build_tokenizer_by_type(a.tokenizer_type, a.tokenizer_model, a.vocab_size, a.vocab_file,
                                                 a.merge_file)
             check_vocab_size(tokenizer.vocab_size, model.vocab_size)
         else:
             tokenizer = load_tokenizer(a.load)
+            try:  # a checkpoint without a tokenizer copy names one by its saved flags: it may not be this model's
+                check_vocab_size(tokenizer.vocab_size, model.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"{e}. The checkpoint's tokenizer does not fit its model: pass the --tokenizer-* "
+                                 "flags the data was made with") from None
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

@@ -236,6 +236,23 @@ def copy_tokenizer(tokenizer, partial: str) -> dict:
     return {"tokenizer": info}
 
 
+def point_at_tokenizer_copy(data, tokenizer, iter_dir: str) -> None:
+    """Set the tokenizer flags of `data` (a DataConfig) to the copy copy_tokenizer makes inside `iter_dir`,
+    so the checkpoint's saved flags name files that travel with it."""
+    kind = type(tokenizer).__name__
+    data.tokenizer_type = kind
+    inside = os.path.join(os.path.abspath(iter_dir), TOKENIZER_DIR)
+    if kind == "NullTokenizer":
+        data.vocab_size = tokenizer.vocab_size - 1
+    elif kind == "GPT2BPETokenizer":
+        data.vocab_file = os.path.join(inside, os.path.basename(tokenizer.model_file))
+        data.merge_file = os.path.join(inside, os.path.basename(tokenizer.merge_file))
+    elif kind == "HuggingFaceTokenizer":
+        data.tokenizer_model = inside
+    else:
+        data.tokenizer_model = os.path.join(inside, os.path.basename(tokenizer.model_file))
+
+
 @dataclass
 class _PendingSave:
     write: Optional[BackgroundWrite]

@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.checkpointer import copy_tokenizer
+from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
 from ..checkpoint.collect import MODEL_KIND
-from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
+from ..checkpoint.format import CheckpointError, resolve_checkpoint_dir
 from ..checkpoint.model_io import model_config_of, write_model_checkpoint
 from ..checkpoint.reader import CheckpointReader
 from ..config import MegacoatConfig
@@ -142,20 +142,10 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if carry_iteration else 0
     cfg = MegacoatConfig()
     cfg.model = m
-    final_dir = os.path.abspath(os.path.join(save_dir, f"iter_{iteration:07d}"))
     if tok is None:
         cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", vocab - 1
     else:
-        kind = type(tok).__name__
-        cfg.data.tokenizer_type = kind
-        if kind == "NullTokenizer":
-            cfg.data.vocab_size = tok.vocab_size - 1
-        elif kind == "GPT2BPETokenizer":
-            cfg.data.vocab_file = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.model_file))
-            cfg.data.merge_file = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.merge_file))
-        else:
-            copied = os.path.join(final_dir, TOKENIZER_DIR, os.path.basename(tok.model_file))
-            cfg.data.tokenizer_model = os.path.dirname(copied) if kind == "HuggingFaceTokenizer" else copied
+        point_at_tokenizer_copy(cfg.data, tok, os.path.join(save_dir, f"iter_{iteration:07d}"))
 
     source = {"megatron_format": fmt, "megatron_transformer_impl": spec}  # read back by megacoat_to_megatron
 
