@@ -135,3 +135,4 @@ def test_unsupported_features_are_refused(tmp_path, capsys):
         family_of_megacoat(m)
     assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "nope"), "--save-format", "megacoat",
                    "--save-dir", str(tmp_path / "out")) == 2
+

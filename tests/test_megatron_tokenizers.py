@@ -173,3 +173,46 @@ def test_huggingface_tokenizer_directory_in_training(tmp_path, capsys):
         assert gen["main"](["--load", save, "--prompt", "alpha beta", "--max-new-tokens", "3", "--greedy"] + extra) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].startswith("alpha beta")
+
+
+@pytest.mark.parametrize("lossless", [True, False], ids=["no-dummy-prefix", "dummy-prefix"])
+def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path, capsys, lossless):
+    """A model trained with a SentencePiece tokenizer (the default corpus' kind) exports a tokenizer that
+    AutoTokenizer loads and that encodes and decodes as megacoat does; config.json names its eos."""
+    import inspect
+
+    transformers = pytest.importorskip("transformers")
+    from megacoat.data.tokenizer_training import train_sentencepiece
+    text = inspect.getsource(json) + inspect.getsource(os)  # Python source: indentation, newlines, quotes
+    model = train_sentencepiece(text.split("\n\n"), str(tmp_path / "sp" / "tokenizer.model"), vocab_size=400,
+                                lossless=lossless)
+    ours = build_tokenizer_by_type("GPTSentencePieceTokenizer", model)
+    lines = [json.dumps({"text": chunk}) for chunk in text.split("\n\n")[:200] if chunk.strip()]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines))
+    pre = runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"), run_name="pre")
+    flags = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+    assert pre["main"](["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
+                        "--append-eod", "--no-progress-bar"] + flags) == 0
+    save, out = str(tmp_path / "ckpt"), tmp_path / "hf"
+    train(["--train-iters", "1", "--save", save, "--data-path", str(tmp_path / "d_text_document"),
+           "--data-cache-path", str(tmp_path / "cache")] + flags)
+    (tmp_path / "hf").mkdir()
+    (out / "tokenizer.json").write_text("{}")  # an older export's tokenizer: replaced under --force
+    (out / "config.json").write_text("{}")
+    convert = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint", "convert.py"), run_name="convert")
+    assert convert["main"](["--load-format", "megacoat", "--load-dir", save, "--save-format", "hf", "--save-dir",
+                            str(out), "--force"]) == 0
+    assert not (out / "tokenizer.json").exists()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    samples = ["def f(x):\n    return x  + 1\n", "  two leading spaces", "tabs\tand\n\n\nnewlines",
+               "ünïcödé 中文 🙂", text[:3000], text[-3000:]]
+    normalizing = "normalizes text" in capsys.readouterr().out
+    assert normalizing == (not lossless)
+    if normalizing:  # exact where normalization changes nothing: single spaces, plain ASCII
+        samples = ["def f(x): return x + 1", "the model trains on token data", " leading space"]
+    for s in samples:
+        ids = ours.tokenize(s)
+        assert hf_tok.encode(s, add_special_tokens=False) == ids, s[:40]
+        assert hf_tok.decode(ids) == ours.detokenize(ids), s[:40]
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eod == hf_tok.eos_token_id and config["bos_token_id"] == ours.bos

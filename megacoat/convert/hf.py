@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
-from ..checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
 from .target import check_checkpoint_target, check_hf_target, check_target_pp
@@ -113,7 +113,8 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     return write_model_checkpoint(save_dir, m, vocab_size, tensors, tp=tp, cfg=cfg, extra_files=copy_tokenizer)
 
 
-def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False) -> str:
+def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False,
+                   log=print) -> str:
     """A Hugging Face directory (config.json, model.safetensors, tokenizer files) of a megacoat checkpoint."""
     stale = check_hf_target(save_dir, force)
     m, vocab_size, tensors, meta = read_model_tensors(checkpoint_dir)
@@ -122,15 +123,62 @@ def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dty
     config, hf_tensors = FAMILIES[family].to_hf(m, vocab_size, tensors, dtype)
     from safetensors.torch import save_file
     os.makedirs(save_dir, exist_ok=True)
-    for name in stale:  # forced: an old shard or index would be read instead of the new weights
+    if stale or os.path.isfile(os.path.join(save_dir, "config.json")):  # forced over an older model
+        stale += [f for f in TOKENIZER_FILES + ("tokenizer.model",) if os.path.isfile(os.path.join(save_dir, f))]
+    for name in stale:  # an old shard, index or tokenizer would be read instead of the new one
         os.remove(os.path.join(save_dir, name))
     save_file(hf_tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
+    config.update(_export_tokenizer(checkpoint_dir, meta, save_dir, m.max_position_embeddings, log))
     with open(os.path.join(save_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    tok = (meta.get("extra") or {}).get("tokenizer", {})
-    if tok.get("type") == "HuggingFaceTokenizer" and tok.get("file"):
-        src_dir = os.path.join(resolve_checkpoint_dir(checkpoint_dir), os.path.dirname(tok["file"]))
-        for f in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(src_dir, f)):
-                shutil.copyfile(os.path.join(src_dir, f), os.path.join(save_dir, f))
     return save_dir
+
+
+def _export_tokenizer(checkpoint_dir: str, meta: dict, save_dir: str, max_length: int, log) -> dict:
+    """Write the checkpoint's tokenizer in a form AutoTokenizer loads; returns the token ids config.json
+    names (end of document as eos, so generate() stops where training's documents ended)."""
+    info = (meta.get("extra") or {}).get("tokenizer", {})
+    kind = info.get("type")
+    if not kind:
+        log("note: the checkpoint records no tokenizer; none written (add the one the data was made with)")
+        return {}
+    tok = load_tokenizer(checkpoint_dir)
+    ids = {"eos_token_id": tok.eod}
+    src = os.path.join(resolve_checkpoint_dir(checkpoint_dir), info["file"]) if info.get("file") else None
+    if kind == "HuggingFaceTokenizer" and src:
+        for f in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(os.path.dirname(src), f)):
+                shutil.copyfile(os.path.join(os.path.dirname(src), f), os.path.join(save_dir, f))
+    elif kind == "GPTSentencePieceTokenizer" and src:
+        if not _write_sentencepiece_for_hf(tok, src, save_dir, max_length):
+            log("note: the SentencePiece model normalizes text (e.g. NFKC, collapsing spaces), which transformers' "
+                "LlamaTokenizer does not: the exported tokenizer encodes text that normalization changes differently")
+        if tok.bos >= 0:
+            ids["bos_token_id"] = tok.bos
+    elif kind != "NullTokenizer":
+        log(f"note: the {kind} tokenizer has no Hugging Face form here; none written (its files are in "
+            f"{os.path.dirname(src) if src else 'the training flags'})")
+    return ids
+
+
+def _write_sentencepiece_for_hf(tok, model_file: str, save_dir: str, max_length: int) -> bool:
+    """tokenizer.model + tokenizer_config.json for transformers' LlamaTokenizer, set to encode as
+    megacoat does: no BOS or EOS added, and a leading space only where the model adds one itself.
+    Returns whether the encoding is exact: LlamaTokenizer applies no normalization rule, so it is
+    exact for models that only mark spaces (tools/train_tokenizer.py's default, the default corpus')."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    probe = "a  b\tc\n\u00a0\ufb01\uff21 "  # repeated spaces, tab, newline, NBSP, a ligature, a full-width A
+    shutil.copyfile(model_file, os.path.join(save_dir, "tokenizer.model"))
+    adds_prefix = sp.encode_as_pieces("a")[0].startswith("\u2581")  # the model's add_dummy_prefix
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+              "add_prefix_space": adds_prefix, "legacy": False, "clean_up_tokenization_spaces": False,
+              "model_max_length": max_length, "eos_token": sp.id_to_piece(tok.eod)}
+    for name, i in (("bos_token", sp.bos_id()), ("unk_token", sp.unk_id()), ("pad_token", sp.pad_id())):
+        if i >= 0:
+            config[name] = sp.id_to_piece(i)
+    with open(os.path.join(save_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if not hasattr(sp, "normalize"):  # sentencepiece < 0.2 cannot show its normalization: not claimed exact
+        return False
+    return sp.normalize(probe) == ("\u2581" if adds_prefix else "") + probe.replace(" ", "\u2581")
