@@ -25,6 +25,19 @@ from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, empty_out
 from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
 
 
+def count(minimum: int):
+    """argparse type: an integer of at least `minimum` (0 workers would run none, or silently one)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
@@ -45,9 +58,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="Writes {prefix}_{key}_document.bin/.idx.")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="Tokenizer processes.")
-    g.add_argument("--log-interval", type=int, default=1000,
-                   help="Documents between progress lines when stderr is not a terminal.")
+    g.add_argument("--workers", type=count(1), default=1, help="Tokenizer processes.")
+    g.add_argument("--log-interval", type=count(0), default=1000,
+                   help="Documents between progress lines when stderr is not a terminal (0: none).")
     g.add_argument("--no-progress-bar", action="store_true", help="Print progress lines instead of a bar.")
     return p.parse_args(argv)
 
