@@ -42,3 +42,24 @@ def test_preprocess_refuses_a_worker_count_below_one(tmp_path, capsys, workers):
                           "NullTokenizer", "--vocab-size", 10, "--workers", workers)
     assert rc == 2 and "argument --workers:" in err
     assert not list(tmp_path.glob("o_*"))
+
+
+def test_pretokenized_text_outside_the_vocabulary_is_a_bad_line(tmp_path, capsys):
+    """NullTokenizer input: an id past --vocab-size (which would index past the embedding, or overflow uint16),
+    a negative id or a word is reported with file and line, or skipped; the other lines are kept."""
+    rng = random.Random(1)
+    good = [_ids(7, rng), _ids(4, rng)]
+    src = tmp_path / "ids.txt"
+    src.write_text(f"{good[0]}\n3 12 1\n5 70000\n2 -4\nhello world\n{good[1]}\n")
+    args = ["--input", src, "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, "--append-eod"]
+    rc, err = _preprocess(capsys, *args, "--output-prefix", tmp_path / "stop")
+    assert rc == 1 and f"{src}:2: key 'text': token id 12 is outside the vocabulary 0..10" in err
+    assert "--vocab-size must exceed the largest id" in err and "--skip-bad-lines" in err
+    assert not list(tmp_path.glob("stop_*"))
+    rc, err = _preprocess(capsys, *args, "--output-prefix", tmp_path / "skip", "--skip-bad-lines", "--workers", 2)
+    assert rc == 0 and "skipped 4 bad line(s)" in err
+    assert f"{src}:3: key 'text': token id 70000" in err and f"{src}:4: key 'text': token id -4 is negative" in err
+    assert f"{src}:5: key 'text': the tokenizer cannot read it" in err
+    from megacoat.data.indexed_dataset import IndexedDataset
+    ds = IndexedDataset(str(tmp_path / "skip_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[int(x) for x in g.split()] + [10] for g in good]

@@ -98,9 +98,13 @@ def read_records(files: Sequence[str], input_format: str) -> Iterator[Record]:
                 yield dataclasses.replace(held, file_bytes=held.file_bytes + os.path.getsize(path) - done)
 
 
+def _where(record: Record) -> str:
+    return f"{record.path}:{record.line}" if record.line else record.path
+
+
 def parse_record(record: Record, input_format: str, json_keys: Sequence[str]) -> Dict[str, str]:
     """The text of each key of one record; raises BadInputError naming file and line."""
-    where = f"{record.path}:{record.line}" if record.line else record.path
+    where = _where(record)
     try:
         text = record.raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -176,24 +180,54 @@ class Encoder:
             except BadInputError as e:
                 parsed.append(str(e))
         ok = [p for p in parsed if isinstance(p, dict)]
-        by_key = {}
-        for key in self.spec.json_keys:
-            texts = [p[key] for p in ok]
-            batch_fn = getattr(self.tokenizer, "tokenize_batch", None)
-            by_key[key] = iter(batch_fn(texts, num_threads=self.spec.tokenizer_threads) if batch_fn
-                               else [self.tokenizer.tokenize(t) for t in texts])
-        for p in parsed:
+        by_key = {key: iter(self._tokenize([p[key] for p in ok])) for key in self.spec.json_keys}
+        for r, p in zip(batch, parsed):
             if isinstance(p, str):
                 out.documents.append(p)
                 continue
+            tokens = {key: next(by_key[key]) for key in self.spec.json_keys}  # every key: the iterators stay aligned
+            errors = [e for e in (self._check(key, ids) for key, ids in tokens.items()) if e]
+            if errors:
+                out.documents.append(f"{_where(r)}: {errors[0]}")
+                continue
             doc = {}
-            for key in self.spec.json_keys:
-                ids = list(next(by_key[key]))
+            for key, ids in tokens.items():
+                ids = list(ids)
                 if ids and self.spec.append_eod:  # Megatron: empty documents get no eod
                     ids.append(self.tokenizer.eod)
                 doc[key] = np.asarray(ids, dtype=self.dtype)
             out.documents.append(doc)
         return out
+
+    def _tokenize(self, texts: List[str]) -> List[object]:
+        """Token ids per text, or for a text the tokenizer refuses (NullTokenizer: not integers) the reason."""
+        batch_fn = getattr(self.tokenizer, "tokenize_batch", None)
+        if batch_fn is not None:
+            return list(batch_fn(texts, num_threads=self.spec.tokenizer_threads))
+        out: List[object] = []
+        for t in texts:
+            try:
+                out.append(self.tokenizer.tokenize(t))
+            except ValueError as e:
+                out.append(f"the tokenizer cannot read it ({e})")
+        return out
+
+    def _check(self, key: str, ids) -> Optional[str]:
+        """Why a document's ids cannot be written (outside the vocabulary: they would index past the embedding,
+        or not fit the dataset's dtype), else None."""
+        if isinstance(ids, str):
+            return f"key {key!r}: {ids}"
+        if not len(ids):
+            return None
+        arr = np.asarray(ids, dtype=np.int64)
+        lo, hi, n = int(arr.min()), int(arr.max()), self.tokenizer.vocab_size
+        if lo < 0:
+            return f"key {key!r}: token id {lo} is negative"
+        if hi < n:
+            return None
+        fix = " (NullTokenizer: --vocab-size must exceed the largest id)" \
+            if self.spec.tokenizer_type == "NullTokenizer" else ""
+        return f"key {key!r}: token id {hi} is outside the vocabulary 0..{n - 1}{fix}"
 
 
 _worker_encoder: Optional[Encoder] = None
