@@ -63,3 +63,11 @@ def test_pretokenized_text_outside_the_vocabulary_is_a_bad_line(tmp_path, capsys
     from megacoat.data.indexed_dataset import IndexedDataset
     ds = IndexedDataset(str(tmp_path / "skip_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [[int(x) for x in g.split()] + [10] for g in good]
+
+
+def test_a_json_key_given_twice_is_refused(tmp_path, capsys):
+    src = _jsonl(tmp_path / "a.jsonl", [_ids(5, random.Random(2))])
+    rc, err = _preprocess(capsys, "--input", src, "--json-keys", "text", "text", "--output-prefix", tmp_path / "o",
+                          "--tokenizer-type", "NullTokenizer", "--vocab-size", 10)
+    assert rc == 1 and "--json-keys names 'text' more than once: give each key once" in err
+    assert not list(tmp_path.glob("o_*"))

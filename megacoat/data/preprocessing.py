@@ -287,6 +287,9 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     """Tokenize `files` into one `.bin/.idx` dataset per JSON key. Returns what was written."""
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"unknown input format {input_format!r}: choose one of {', '.join(INPUT_FORMATS)}")
+    twice = [k for i, k in enumerate(json_keys) if k in json_keys[:i]]
+    if twice:  # one dataset per key: a key given twice would write its file twice
+        raise ValueError(f"--json-keys names {twice[0]!r} more than once: give each key once")
     # fail fast, in the main process
     tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
     dtype = best_token_dtype(tokenizer.vocab_size)
