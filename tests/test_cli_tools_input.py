@@ -71,3 +71,17 @@ def test_a_json_key_given_twice_is_refused(tmp_path, capsys):
                           "--tokenizer-type", "NullTokenizer", "--vocab-size", 10)
     assert rc == 1 and "--json-keys names 'text' more than once: give each key once" in err
     assert not list(tmp_path.glob("o_*"))
+
+
+def test_an_output_prefix_that_names_no_file_or_lies_under_a_file_is_refused(tmp_path, capsys):
+    src = _jsonl(tmp_path / "a.jsonl", [_ids(5, random.Random(3))])
+    args = ["--input", src, "--tokenizer-type", "NullTokenizer", "--vocab-size", 10]
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = _preprocess(capsys, *args, "--output-prefix", f"{out}{os.sep}")
+    assert rc == 1 and "ends with a path separator: name the files too" in err
+    assert os.listdir(out) == []
+    rc, err = _preprocess(capsys, *args, "--output-prefix", src / "sub" / "o")
+    assert rc == 1 and f"{src} is a file, not a directory" in err
+    rc, err = _preprocess(capsys, *args, "--output-prefix", tmp_path / "new" / "dir" / "o")  # created
+    assert rc == 0 and (tmp_path / "new" / "dir" / "o_text_document.idx").is_file()

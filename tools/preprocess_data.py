@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             workers=args.workers, skip_bad_lines=args.skip_bad_lines,
             progress=not args.no_progress_bar and sys.stderr.isatty(), log_interval=args.log_interval,
             vocab_file=args.vocab_file, merge_file=args.merge_file)
-    except (BadInputError, TokenizerError, FileNotFoundError, ValueError) as e:
+    except (BadInputError, TokenizerError, OSError, ValueError) as e:  # OSError: e.g. an unwritable output
         print(f"error: {e}", file=sys.stderr)
         return 1
     mb = result.input_bytes / 1e6

@@ -273,6 +273,21 @@ class PreprocessResult:
     seconds: float
 
 
+def check_output_prefix(output_prefix: str) -> None:
+    """Refuse a prefix that names no file (`data/`: it would write `data/_text_document.bin`) or lies under a
+    file; create its directory."""
+    if not os.path.basename(output_prefix):
+        raise ValueError(f"--output-prefix {output_prefix} ends with a path separator: name the files too, e.g. "
+                         f"{os.path.join(output_prefix, 'corpus')}")
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output-prefix {output_prefix}: {existing} is a file, not a directory")
+    os.makedirs(directory, exist_ok=True)
+
+
 def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
     return f"{output_prefix}_{key}_{level}"
 
@@ -298,6 +313,8 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     spec = EncoderSpec(tokenizer_type, tokenizer_model, vocab_size, tuple(json_keys), input_format, append_eod,
                        dtype.str, tokenizer_threads, vocab_file, merge_file)
     prefixes = {k: (output_names or {}).get(k) or output_prefix_for(output_prefix, k) for k in json_keys}
+    if not output_names:
+        check_output_prefix(output_prefix)
     builders = {k: IndexedDatasetBuilder(p, dtype=dtype) for k, p in prefixes.items()}
     total_bytes = sum(os.path.getsize(f) for f in files)
     bar = None
