@@ -85,3 +85,23 @@ def test_an_output_prefix_that_names_no_file_or_lies_under_a_file_is_refused(tmp
     assert rc == 1 and f"{src} is a file, not a directory" in err
     rc, err = _preprocess(capsys, *args, "--output-prefix", tmp_path / "new" / "dir" / "o")  # created
     assert rc == 0 and (tmp_path / "new" / "dir" / "o_text_document.idx").is_file()
+
+
+def test_a_tokenized_dataset_given_as_input_is_refused(tmp_path, capsys):
+    """An earlier output next to the text (or named by mistake) is not read as text into the new dataset."""
+    d = tmp_path / "data"
+    d.mkdir()
+    _jsonl(d / "a.jsonl", [_ids(6, random.Random(4))])
+    args = ["--tokenizer-type", "NullTokenizer", "--vocab-size", 10]
+    assert _preprocess(capsys, "--input", d, "--output-prefix", d / "first", *args)[0] == 0
+    rc, err = _preprocess(capsys, "--input", d, "--output-prefix", tmp_path / "again", *args)
+    assert rc == 1 and f"holds {d / 'first_text_document.bin'}, a tokenized dataset file, not text" in err
+    assert "--input-suffix" in err and not list(tmp_path.glob("again_*"))
+    rc, err = _preprocess(capsys, "--input", d / "first_text_document.idx", "--output-prefix", tmp_path / "x", *args)
+    assert rc == 1 and "is a tokenized dataset file (.bin/.idx), not text" in err
+    (d / "killed_text_document.bin.tmp4242").write_bytes(np.arange(8, dtype=np.uint16).tobytes())
+    rc, err = _preprocess(capsys, "--input", d, "--input-suffix", ".jsonl", "--output-prefix", tmp_path / "ok", *args)
+    assert rc == 0  # the suffix picks the text
+    rc, err = _preprocess(capsys, "--input", d / "killed_text_document.bin.tmp4242", "--output-prefix",
+                          tmp_path / "x", *args)
+    assert rc == 1 and "tokenized dataset file" in err

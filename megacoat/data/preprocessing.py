@@ -12,6 +12,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -20,7 +21,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import numpy as np
 
-from megacoat.data.indexed_dataset import IndexedDatasetBuilder, best_token_dtype
+from megacoat.data.indexed_dataset import INDEX_MAGIC, IndexedDatasetBuilder, best_token_dtype
 from megacoat.data.tokenizer import build_tokenizer_by_type
 
 INPUT_FORMATS = ("auto", "jsonl", "text-lines", "text-files")
@@ -42,7 +43,8 @@ class BadInputError(ValueError):
 # -- reading ---------------------------------------------------------------------------------
 
 def expand_inputs(inputs: Sequence[str], suffixes: Optional[Sequence[str]] = None) -> List[str]:
-    """Files named, plus the files under named directories (sorted, recursively)."""
+    """Files named, plus the files under named directories (sorted, recursively). A tokenized dataset's file
+    is refused: read as text it would be tokenized into the output (NUL and small-id bytes are valid UTF-8)."""
     files = []
     for path in inputs:
         if os.path.isdir(path):
@@ -51,12 +53,35 @@ def expand_inputs(inputs: Sequence[str], suffixes: Optional[Sequence[str]] = Non
                 dirs.sort()
                 found += [os.path.join(root, n) for n in sorted(names)
                           if suffixes is None or n.endswith(tuple(suffixes))]
+            for f in found:
+                if is_dataset_file(f):
+                    raise BadInputError(f"--input {path} holds {f}, a tokenized dataset file, not text: pass "
+                                        "--input-suffix to pick the text files, or move the dataset out")
             files += found
         elif os.path.isfile(path):
+            if is_dataset_file(path):
+                raise BadInputError(f"--input {path} is a tokenized dataset file (.bin/.idx), not text: pass the "
+                                    "raw text it was made from")
             files.append(path)
         else:
             raise FileNotFoundError(f"--input {path}: no such file or directory")
     return files
+
+
+def is_dataset_file(path: str) -> bool:
+    """A `.bin` or `.idx` of an indexed dataset (its `.idx` starts with the index magic), or a builder's
+    temporary file of one (`.bin.tmp<pid>`, left by a killed run)."""
+    if re.search(r"\.(bin|idx)\.tmp\d+$", path):
+        return True
+    if path.endswith(".bin"):
+        path = path[:-len(".bin")] + ".idx"
+    elif not path.endswith(".idx"):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(INDEX_MAGIC)) == INDEX_MAGIC
+    except OSError:
+        return False
 
 
 def detect_format(path: str) -> str:
