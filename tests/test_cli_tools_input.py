@@ -3,7 +3,10 @@ and the fix; never a traceback, never a silently wrong output, never a half-writ
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +108,27 @@ def test_a_tokenized_dataset_given_as_input_is_refused(tmp_path, capsys):
     rc, err = _preprocess(capsys, "--input", d / "killed_text_document.bin.tmp4242", "--output-prefix",
                           tmp_path / "x", *args)
     assert rc == 1 and "tokenized dataset file" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_an_interrupted_run_leaves_no_file_and_no_traceback(tmp_path, sig, workers):
+    """Killed mid-write (a scheduler's SIGTERM, Ctrl-C): the partial .bin is removed, one line says so."""
+    src = tmp_path / "ids.txt"
+    rng = random.Random(5)
+    src.write_text("".join(_ids(8, rng) + "\n" for _ in range(1000)) * 1000)  # a million documents
+    prefix = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(src),
+                             "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                             "10", "--workers", str(workers), "--log-interval", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not [p for p in tmp_path.glob("o_*.tmp*") if p.stat().st_size] and proc.poll() is None:
+        assert time.time() < deadline, "the run never started writing"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "interrupted: nothing written (the partial files were removed)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -260,6 +261,10 @@ _worker_encoder: Optional[Encoder] = None
 
 def _init_worker(spec: EncoderSpec) -> None:
     global _worker_encoder  # per-process state of a pool worker (not shared)
+    # Interrupts are the main process's to handle (it removes the partial output and ends the pool); a worker
+    # forked with its SIGTERM handler would print a traceback when the pool is terminated.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = Encoder(spec)
 
 
