@@ -14,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import preprocess_data  # noqa: E402
+import train_tokenizer  # noqa: E402
 
 
 def _jsonl(path, texts, key="text"):
@@ -132,3 +133,28 @@ def test_an_interrupted_run_leaves_no_file_and_no_traceback(tmp_path, sig, worke
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err and "interrupted: nothing written (the partial files were removed)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]
+
+
+def _train_tokenizer(capsys, *args):
+    """train_tokenizer.main in this process: (exit code, stderr)."""
+    rc = train_tokenizer.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def _words(n_lines, rng):
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    return [" ".join(rng.choice(words) for _ in range(20)) for _ in range(n_lines)]
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--vocab-size", 0, "--vocab-size 0 must be >= 1"), ("--vocab-size", -5, "--vocab-size -5 must be >= 1"),
+    ("--threads", 0, "--threads 0 must be in [1, 1024]"),
+    ("--character-coverage", 2, "--character-coverage 2.0 must be in [0.98, 1]"),
+    ("--max-input-bytes", 0, "--max-input-bytes 0 must be >= 1")])
+def test_train_tokenizer_options_out_of_range_name_the_flag(tmp_path, capsys, flag, value, message):
+    src = _jsonl(tmp_path / "c.jsonl", _words(50, random.Random(6)))
+    args = ["--input", src, "--output-model", tmp_path / "t.model", "--vocab-size", 300, "--threads", 1]
+    rc, err = _train_tokenizer(capsys, *args, flag, value)
+    assert rc == 1 and f"error: {message}" in err and not (tmp_path / "t.model").exists()

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                             vocab_size=args.vocab_size, model_type=args.model_type,
                             character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
                             byte_budget=args.max_input_bytes, num_threads=args.threads, lossless=not args.normalize)
-    except (BadInputError, FileNotFoundError, RuntimeError) as e:
+    except (BadInputError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.output_model}", file=sys.stderr)

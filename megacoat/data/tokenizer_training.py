@@ -30,11 +30,26 @@ def sentences_within_budget(documents: Iterable[str], byte_budget: Optional[int]
                 return
 
 
+def check_options(vocab_size: int, character_coverage: float, num_threads: int, byte_budget: Optional[int]) -> None:
+    """ValueError naming the flag of tools/train_tokenizer.py outside SentencePiece's range (its own message
+    names an internal check), before any text is read."""
+    if vocab_size < 1:
+        raise ValueError(f"--vocab-size {vocab_size} must be >= 1 (the pieces of the model, e.g. 32000)")
+    if not 0.98 <= character_coverage <= 1.0:
+        raise ValueError(f"--character-coverage {character_coverage} must be in [0.98, 1] (SentencePiece's range: "
+                         "the share of characters kept as pieces)")
+    if not 1 <= num_threads <= 1024:
+        raise ValueError(f"--threads {num_threads} must be in [1, 1024]")
+    if byte_budget is not None and byte_budget < 1:
+        raise ValueError(f"--max-input-bytes {byte_budget} must be >= 1")
+
+
 def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size: int = 8000,
                         model_type: str = "bpe", character_coverage: float = 0.9999, byte_fallback: bool = True,
                         byte_budget: Optional[int] = 32 << 20, num_threads: int = 2, lossless: bool = True,
                         split_digits: bool = True) -> str:
     """Train and write `output_model` (a .model file, written atomically); returns its path."""
+    check_options(vocab_size, character_coverage, num_threads, byte_budget)
     import sentencepiece as spm
 
     options = dict(
