@@ -158,3 +158,29 @@ def test_train_tokenizer_options_out_of_range_name_the_flag(tmp_path, capsys, fl
     args = ["--input", src, "--output-model", tmp_path / "t.model", "--vocab-size", 300, "--threads", 1]
     rc, err = _train_tokenizer(capsys, *args, flag, value)
     assert rc == 1 and f"error: {message}" in err and not (tmp_path / "t.model").exists()
+
+
+def test_train_tokenizer_failures_say_what_is_wrong_with_the_text(tmp_path, capsys):
+    """No text (empty input, the key missing from every skipped line, only over-long lines) and a vocabulary
+    smaller than the text's characters each get their own message, not one hint about small vocabularies."""
+    rng = random.Random(7)
+    good = _jsonl(tmp_path / "c.jsonl", _words(50, rng))
+    out = tmp_path / "t.model"
+    common = ["--output-model", out, "--threads", 1]
+    rc, err = _train_tokenizer(capsys, "--input", good, "--vocab-size", 10, *common)
+    chars = len(set("".join(_words(50, random.Random(7)))))
+    assert rc == 1 and f"--vocab-size 10 is too small for this text: it needs at least {chars + 256 + 4}" in err
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    rc, err = _train_tokenizer(capsys, "--input", empty, "--vocab-size", 300, *common)
+    assert rc == 1 and "no text to train on: the input holds no non-blank line" in err
+    rc, err = _train_tokenizer(capsys, "--input", good, "--json-keys", "body", "--skip-bad-lines", "--vocab-size",
+                               300, *common)
+    assert rc == 1 and "no text to train on" in err
+    long = _jsonl(tmp_path / "long.jsonl", ["x" * 20000, "y" * 17000])
+    rc, err = _train_tokenizer(capsys, "--input", long, "--vocab-size", 300, *common)
+    assert rc == 1 and "all 2 non-blank line(s) are longer than 16384 bytes" in err
+    (tmp_path / "none").mkdir()
+    rc, err = _train_tokenizer(capsys, "--input", tmp_path / "none", "--vocab-size", 300, *common)
+    assert rc == 2 and "--input matched no files" in err
+    assert not out.exists()

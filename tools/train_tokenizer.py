@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         files = expand_inputs(args.input, args.input_suffix)
+        if not files:
+            print("error: --input matched no files", file=sys.stderr)
+            return 2
         train_sentencepiece(texts(files, args.input_format, args.json_keys, args.skip_bad_lines), args.output_model,
                             vocab_size=args.vocab_size, model_type=args.model_type,
                             character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import io
 import os
+import re
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 MAX_SENTENCE_BYTES = 16384
 
 
-def sentences_within_budget(documents: Iterable[str], byte_budget: Optional[int]) -> Iterator[str]:
+@dataclass
+class SentenceCounts:
+    kept: int = 0
+    too_long: int = 0  # non-blank lines left out: longer than SentencePiece's sentence limit
+
+
+def sentences_within_budget(documents: Iterable[str], byte_budget: Optional[int],
+                            counts: Optional[SentenceCounts] = None) -> Iterator[str]:
     """Non-blank lines of the documents, stopping after about byte_budget bytes of text."""
+    counts = counts if counts is not None else SentenceCounts()
     used = 0
     for doc in documents:
         for line in doc.split("\n"):
@@ -23,7 +33,9 @@ def sentences_within_budget(documents: Iterable[str], byte_budget: Optional[int]
                 continue
             n = len(line.encode("utf-8", errors="replace"))
             if n > MAX_SENTENCE_BYTES:
+                counts.too_long += 1
                 continue
+            counts.kept += 1
             yield line
             used += n
             if byte_budget is not None and used >= byte_budget:
@@ -62,15 +74,29 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
         options.update(normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
                        allow_whitespace_only_pieces=True)
     proto = io.BytesIO()
+    counts = SentenceCounts()
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=sentences_within_budget(documents, byte_budget),
+        spm.SentencePieceTrainer.train(sentence_iterator=sentences_within_budget(documents, byte_budget, counts),
                                        model_writer=proto, **options)
     except RuntimeError as e:
-        raise RuntimeError(f"SentencePiece training failed: {e}\n(--vocab-size must exceed the required characters "
-                           "plus 256 byte pieces with byte fallback; with little text, use a smaller vocabulary)") from e
+        raise RuntimeError(_training_failure(str(e), counts, vocab_size, byte_fallback)) from e
     os.makedirs(os.path.dirname(os.path.abspath(output_model)), exist_ok=True)
     tmp = f"{output_model}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(proto.getvalue())
     os.replace(tmp, output_model)
     return output_model
+
+
+def _training_failure(message: str, counts: SentenceCounts, vocab_size: int, byte_fallback: bool) -> str:
+    """SentencePiece's failure in the user's terms: no text at all, or too small a vocabulary for the text."""
+    if not counts.kept:
+        if counts.too_long:
+            return (f"no text to train on: all {counts.too_long} non-blank line(s) are longer than "
+                    f"{MAX_SENTENCE_BYTES} bytes, SentencePiece's sentence limit (split the text into lines)")
+        return "no text to train on: the input holds no non-blank line (check --input, --json-keys, --input-format)"
+    needed = re.search(r"required_chars.*?(\d+) vs (\d+)", message)
+    if needed:
+        return (f"--vocab-size {vocab_size} is too small for this text: it needs at least {needed.group(2)} pieces "
+                f"(one per character{', 256 byte pieces' if byte_fallback else ''} and 4 special ones)")
+    return f"SentencePiece training failed: {message}"
