@@ -184,3 +184,18 @@ def test_train_tokenizer_failures_say_what_is_wrong_with_the_text(tmp_path, caps
     rc, err = _train_tokenizer(capsys, "--input", tmp_path / "none", "--vocab-size", 300, *common)
     assert rc == 2 and "--input matched no files" in err
     assert not out.exists()
+
+
+def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):
+    """SentencePiece stops early when the text holds fewer pieces than --vocab-size: that is said, with the
+    model's real size, not left for the user to find out."""
+    src = _jsonl(tmp_path / "c.jsonl", _words(100, random.Random(8)))
+    out = tmp_path / "t.model"
+    rc, err = _train_tokenizer(capsys, "--input", src, "--output-model", out, "--vocab-size", 100000, "--threads", 1)
+    import sentencepiece as spm
+    pieces = spm.SentencePieceProcessor(model_file=str(out)).get_piece_size()
+    assert rc == 0 and pieces < 1000
+    assert f"wrote {out} ({pieces} pieces)" in err
+    assert f"warning: the model has {pieces} pieces, fewer than --vocab-size 100000" in err
+    rc, err = _train_tokenizer(capsys, "--input", src, "--output-model", out, "--vocab-size", pieces, "--threads", 1)
+    assert rc == 0 and "warning" not in err

@@ -63,7 +63,12 @@ def main(argv=None) -> int:
     except (BadInputError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output_model}", file=sys.stderr)
+    import sentencepiece as spm
+    pieces = spm.SentencePieceProcessor(model_file=args.output_model).get_piece_size()
+    print(f"wrote {args.output_model} ({pieces} pieces)", file=sys.stderr)
+    if pieces < args.vocab_size:  # SentencePiece stops early (no hard limit) when the text holds no more pieces
+        print(f"warning: the model has {pieces} pieces, fewer than --vocab-size {args.vocab_size}: the text holds "
+              "no more; train on more text for a larger vocabulary", file=sys.stderr)
     return 0
 
 
