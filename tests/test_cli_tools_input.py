@@ -199,3 +199,17 @@ def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):
     assert f"warning: the model has {pieces} pieces, fewer than --vocab-size 100000" in err
     rc, err = _train_tokenizer(capsys, "--input", src, "--output-model", out, "--vocab-size", pieces, "--threads", 1)
     assert rc == 0 and "warning" not in err
+
+
+def test_an_unwritable_output_model_is_refused_before_training(tmp_path, capsys):
+    """A directory, a path under a file: refused before the (long) training, with no temporary file left."""
+    src = _jsonl(tmp_path / "c.jsonl", _words(50, random.Random(9)))
+    args = ["--input", src, "--vocab-size", 300, "--threads", 1]
+    (tmp_path / "models").mkdir()
+    rc, err = _train_tokenizer(capsys, *args, "--output-model", tmp_path / "models")
+    assert rc == 1 and f"--output-model {tmp_path / 'models'} is a directory: name the file" in err
+    rc, err = _train_tokenizer(capsys, *args, "--output-model", src / "t.model")
+    assert rc == 1 and f"{src} is a file, not a directory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "models"] and not os.listdir(tmp_path / "models")
+    rc, err = _train_tokenizer(capsys, *args, "--output-model", tmp_path / "new" / "t.model")  # created
+    assert rc == 0 and (tmp_path / "new" / "t.model").is_file()

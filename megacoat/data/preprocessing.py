@@ -309,12 +309,18 @@ def check_output_prefix(output_prefix: str) -> None:
     if not os.path.basename(output_prefix):
         raise ValueError(f"--output-prefix {output_prefix} ends with a path separator: name the files too, e.g. "
                          f"{os.path.join(output_prefix, 'corpus')}")
-    directory = os.path.dirname(os.path.abspath(output_prefix))
+    make_parent_directory(output_prefix, "--output-prefix")
+
+
+def make_parent_directory(path: str, flag: str) -> None:
+    """Create the directory `path` goes in; a path under a file is refused naming `flag` (os.makedirs would
+    raise FileExistsError about the file)."""
+    directory = os.path.dirname(os.path.abspath(path))
     existing = directory
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"--output-prefix {output_prefix}: {existing} is a file, not a directory")
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a directory")
     os.makedirs(directory, exist_ok=True)
 
 

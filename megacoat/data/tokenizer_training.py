@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
+from megacoat.data.preprocessing import make_parent_directory
+
 MAX_SENTENCE_BYTES = 16384
 
 
@@ -62,6 +64,10 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
                         split_digits: bool = True) -> str:
     """Train and write `output_model` (a .model file, written atomically); returns its path."""
     check_options(vocab_size, character_coverage, num_threads, byte_budget)
+    if not os.path.basename(output_model) or os.path.isdir(output_model):  # before the training, not after it
+        raise ValueError(f"--output-model {output_model} is a directory: name the file, e.g. "
+                         f"{os.path.join(output_model, 'tokenizer.model')}")
+    make_parent_directory(output_model, "--output-model")
     import sentencepiece as spm
 
     options = dict(
@@ -80,11 +86,14 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
                                        model_writer=proto, **options)
     except RuntimeError as e:
         raise RuntimeError(_training_failure(str(e), counts, vocab_size, byte_fallback)) from e
-    os.makedirs(os.path.dirname(os.path.abspath(output_model)), exist_ok=True)
     tmp = f"{output_model}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(proto.getvalue())
-    os.replace(tmp, output_model)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(proto.getvalue())
+        os.replace(tmp, output_model)
+    finally:
+        if os.path.exists(tmp):  # a failed write or rename leaves no partial model behind
+            os.remove(tmp)
     return output_model
 
 
