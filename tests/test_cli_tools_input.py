@@ -213,3 +213,15 @@ def test_an_unwritable_output_model_is_refused_before_training(tmp_path, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "models"] and not os.listdir(tmp_path / "models")
     rc, err = _train_tokenizer(capsys, *args, "--output-model", tmp_path / "new" / "t.model")  # created
     assert rc == 0 and (tmp_path / "new" / "t.model").is_file()
+
+
+def test_train_tokenizer_bad_lines_name_the_flag_and_are_shown_ten_at_most(tmp_path, capsys):
+    rng = random.Random(10)
+    src = tmp_path / "c.jsonl"
+    lines = [json.dumps({"text": t}) for t in _words(60, rng)] + ["{broken"] * 30
+    src.write_text("\n".join(lines) + "\n")
+    args = ["--input", src, "--output-model", tmp_path / "t.model", "--vocab-size", 300, "--threads", 1]
+    rc, err = _train_tokenizer(capsys, *args)
+    assert rc == 1 and f"{src}:61: malformed JSON" in err and "(pass --skip-bad-lines to skip malformed lines)" in err
+    rc, err = _train_tokenizer(capsys, *args, "--skip-bad-lines")
+    assert rc == 0 and err.count("skipping bad line:") == 10 and "skipped 30 bad line(s)" in err
