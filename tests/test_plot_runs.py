@@ -1,6 +1,7 @@
 """tools/plot_runs.py: runs aligned by consumed tokens, a table of hand-checkable figures, one PNG."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -59,3 +60,32 @@ def test_real_log_and_old_logs_need_seq_length(tmp_path):
     with pytest.raises(SystemExit, match="pass --seq-length"):
         plot_runs.read_run("old", str(old))
     assert plot_runs.read_run("old", str(old), seq_length=32).tokens == run.tokens
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"iteration": 1, "consumed_tokens": 8, "lm_loss": 3.0}, ":2 has no 'tokens_per_s'"),
+    ({"consumed_tokens": 8, "lm_loss": 3.0, "tokens_per_s": 5.0}, ":2 has no 'iteration'"),
+    ({"iteration": 1, "consumed_tokens": 8, "lm_loss": "3.0", "tokens_per_s": 5.0}, ":2: lm_loss is '3.0', not a number"),
+    ({"iteration": 1.5, "consumed_tokens": 8, "lm_loss": 3.0, "tokens_per_s": 5.0}, ":2: iteration 1.5 is not"),
+    ({"iteration": 2, "valid_loss": [3.0]}, ":2: valid_loss is [3.0], not a number"),
+    ([1, 2, 3], ":2 is not a JSON object")])
+def test_a_malformed_record_stops_with_file_and_line(tmp_path, record, message):
+    log = tmp_path / "log.jsonl"
+    _write(log, [_rec(1, 8, 32, 3.0, 100.0), record])
+    with pytest.raises(SystemExit, match=f"plot_runs.py: {re.escape(str(log) + message)}"):
+        plot_runs.read_run("a", str(log))
+
+
+def test_a_directory_given_as_a_log_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="is a directory: pass the --log-json files"):
+        plot_runs.read_run("a", str(tmp_path))
+
+
+def test_records_without_a_figure_are_left_out_of_medians_and_maxima(tmp_path):
+    log = tmp_path / "log.jsonl"
+    recs = [_rec(i, 8 * i, 32, 3.0, 100.0 * i, mem=float(i)) for i in range(1, 4)]
+    recs[1].update(tflops_per_gpu=None, peak_mem_gib=None)
+    recs[2]["peak_mem_gib"] = float("nan")
+    _write(log, recs)
+    s = plot_runs.summary(plot_runs.read_run("a", str(log)), final_window=2)
+    assert s["median TFLOP/s/GPU"] == pytest.approx(0.2) and s["peak mem GiB"] == 1.0

@@ -35,39 +35,70 @@ class Run:
     valid: List[Tuple[int, float]] = field(default_factory=list)  # (tokens, validation loss)
 
 
+def _number(rec: dict, key: str, where: str, required: bool = True) -> float:
+    """rec[key] as a number; an optional one missing or null is NaN; anything else stops with file and line."""
+    value = rec.get(key)
+    if value is None and not required:
+        return float("nan")
+    if value is None:
+        raise SystemExit(f"plot_runs.py: {where} has no {key!r}: a --log-json training record holds iteration, "
+                         "lm_loss, tokens_per_s and consumed_tokens")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SystemExit(f"plot_runs.py: {where}: {key} is {value!r}, not a number")
+    return value
+
+
+def _iteration(rec: dict, where: str) -> int:
+    it = _number(rec, "iteration", where)
+    if not math.isfinite(it) or it != int(it) or it < 0:
+        raise SystemExit(f"plot_runs.py: {where}: iteration {it!r} is not a non-negative integer")
+    return int(it)
+
+
 def read_run(name: str, path: str, seq_length: Optional[int] = None) -> Run:
-    run = Run(name)
-    tokens_at: Dict[int, int] = {}
+    if not os.path.isfile(path):
+        raise SystemExit(f"plot_runs.py: {path} " + ("is a directory" if os.path.isdir(path) else "does not exist")
+                         + ": pass the --log-json files of the runs")
+    train: List[Tuple[int, int, float, float, float, float]] = []  # iteration, tokens, loss, tokens/s, TFLOP/s, GiB
     valid_iters: List[Tuple[int, float]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
+            where = f"{path}:{n}"
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                raise SystemExit(f"plot_runs.py: {path}:{n} is not a JSON line ({e}); pass --log-json files") from e
+                raise SystemExit(f"plot_runs.py: {where} is not a JSON line ({e}); pass --log-json files") from e
+            if not isinstance(rec, dict):
+                raise SystemExit(f"plot_runs.py: {where} is not a JSON object; pass --log-json files")
             if "valid_loss" in rec:
-                valid_iters.append((rec["iteration"], rec["valid_loss"]))
+                valid_iters.append((_iteration(rec, where), _number(rec, "valid_loss", where, required=False)))
             if "lm_loss" not in rec:
                 continue
+            it = _iteration(rec, where)
             if "consumed_tokens" in rec:
-                tokens = rec["consumed_tokens"]
+                tokens = _number(rec, "consumed_tokens", where)
             elif seq_length:
-                tokens = rec["consumed_samples"] * seq_length
+                tokens = _number(rec, "consumed_samples", where) * seq_length
             else:
                 raise SystemExit(f"plot_runs.py: {path} has no consumed_tokens (an older log): pass --seq-length")
-            tokens_at[rec["iteration"]] = tokens
-            run.iterations.append(rec["iteration"])
-            run.tokens.append(tokens)
-            run.loss.append(rec["lm_loss"])
-            run.tokens_per_s.append(rec["tokens_per_s"])
-            run.tflops.append(rec.get("tflops_per_gpu", float("nan")))
-            run.peak_mem.append(rec.get("peak_mem_gib", float("nan")))
-    if not run.tokens:
+            train.append((it, tokens, _number(rec, "lm_loss", where, required=False),
+                          _number(rec, "tokens_per_s", where), _number(rec, "tflops_per_gpu", where, required=False),
+                          _number(rec, "peak_mem_gib", where, required=False)))
+    if not train:
         raise SystemExit(f"plot_runs.py: {path} holds no training records (lm_loss)")
+    run = Run(name)
+    for it, tokens, loss, tps, tflops, mem in train:
+        run.iterations.append(it)
+        run.tokens.append(tokens)
+        run.loss.append(loss)
+        run.tokens_per_s.append(tps)
+        run.tflops.append(tflops)
+        run.peak_mem.append(mem)
     # Validation records carry the iteration only: place them at that iteration's tokens.
+    tokens_at = dict(zip(run.iterations, run.tokens))
     per_iter = (run.tokens[-1] / run.iterations[-1]) if run.iterations[-1] else 0
     run.valid = [(tokens_at.get(it, int(it * per_iter)), loss) for it, loss in valid_iters]
     return run
@@ -84,17 +115,23 @@ def smooth(values: List[float], window: int) -> List[float]:
     return out
 
 
+def _finite(values: List[float]) -> List[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
 def summary(run: Run, final_window: int) -> Dict[str, object]:
-    finite = [v for v in run.loss if math.isfinite(v)]
+    """The table's row of one run; NaN (a record without the figure) is left out of medians and maxima."""
+    finite = _finite(run.loss)
+    nan = float("nan")
     return {
         "run": run.name,
         "iterations": run.iterations[-1],
         "tokens": run.tokens[-1],
-        "final train loss": sum(finite[-final_window:]) / len(finite[-final_window:]) if finite else float("nan"),
-        "last valid loss": run.valid[-1][1] if run.valid else float("nan"),
-        "median tokens/s": statistics.median(run.tokens_per_s),
-        "median TFLOP/s/GPU": statistics.median(run.tflops),
-        "peak mem GiB": max(run.peak_mem),
+        "final train loss": sum(finite[-final_window:]) / len(finite[-final_window:]) if finite else nan,
+        "last valid loss": run.valid[-1][1] if run.valid else nan,
+        "median tokens/s": statistics.median(_finite(run.tokens_per_s) or [nan]),
+        "median TFLOP/s/GPU": statistics.median(_finite(run.tflops) or [nan]),
+        "peak mem GiB": max(_finite(run.peak_mem) or [nan]),
     }
 
 
@@ -158,8 +195,6 @@ def main(argv=None) -> int:
     for spec in args.logs:
         name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else \
             (os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec)
-        if not os.path.exists(path):
-            raise SystemExit(f"plot_runs.py: {path} does not exist")
         runs.append(read_run(name, path, args.seq_length))
     rows = [summary(r, args.final_window) for r in runs]
     plot(runs, args.out, max(args.smooth, 1), rows)
