@@ -89,3 +89,17 @@ def test_records_without_a_figure_are_left_out_of_medians_and_maxima(tmp_path):
     _write(log, recs)
     s = plot_runs.summary(plot_runs.read_run("a", str(log)), final_window=2)
     assert s["median TFLOP/s/GPU"] == pytest.approx(0.2) and s["peak mem GiB"] == 1.0
+
+
+def test_a_run_restarted_into_the_same_log_replaces_the_earlier_records(tmp_path, capsys):
+    """Iterations 1-5 with validation at 4, then the run logged again from iteration 3 (a resume that did not trim
+    the log): one curve 1, 2, 3', 4', 5', 6' with the new run's figures, not a line that goes back."""
+    log = tmp_path / "log.jsonl"
+    first = [_rec(i, 8 * i, 32, 5.0, 100.0) for i in range(1, 6)] + [{"iteration": 4, "valid_loss": 4.9}]
+    again = [_rec(i, 8 * i, 32, 4.0, 300.0) for i in range(3, 7)] + [{"iteration": 6, "valid_loss": 3.9}]
+    _write(log, first + again)
+    run = plot_runs.read_run("a", str(log))
+    assert run.iterations == [1, 2, 3, 4, 5, 6] and run.tokens == [256 * i for i in range(1, 7)]
+    assert run.loss == [5.0, 5.0, 4.0, 4.0, 4.0, 4.0] and run.valid == [(256 * 6, 3.9)]
+    assert plot_runs.summary(run, final_window=10)["median tokens/s"] == 300.0
+    assert f"{log}:7 logs iteration 3 again" in capsys.readouterr().err

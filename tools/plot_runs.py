@@ -61,6 +61,7 @@ def read_run(name: str, path: str, seq_length: Optional[int] = None) -> Run:
                          + ": pass the --log-json files of the runs")
     train: List[Tuple[int, int, float, float, float, float]] = []  # iteration, tokens, loss, tokens/s, TFLOP/s, GiB
     valid_iters: List[Tuple[int, float]] = []
+    restarted: Optional[Tuple[int, int]] = None  # (line, iteration) of the first record logged again
     with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
@@ -78,6 +79,12 @@ def read_run(name: str, path: str, seq_length: Optional[int] = None) -> Run:
             if "lm_loss" not in rec:
                 continue
             it = _iteration(rec, where)
+            if train and it <= train[-1][0]:
+                # Logged again from an earlier iteration: a run restarted into the same file (a resume that did
+                # not trim the log, or a fresh run). The later records replace the earlier ones from there on.
+                restarted = restarted or (n, it)
+                train = [r for r in train if r[0] < it]
+                valid_iters = [v for v in valid_iters if v[0] < it]
             if "consumed_tokens" in rec:
                 tokens = _number(rec, "consumed_tokens", where)
             elif seq_length:
@@ -89,6 +96,9 @@ def read_run(name: str, path: str, seq_length: Optional[int] = None) -> Run:
                           _number(rec, "peak_mem_gib", where, required=False)))
     if not train:
         raise SystemExit(f"plot_runs.py: {path} holds no training records (lm_loss)")
+    if restarted:
+        print(f"plot_runs.py: note: {path}:{restarted[0]} logs iteration {restarted[1]} again (a run restarted into "
+              "the same file): its records replace the earlier ones from that iteration on", file=sys.stderr)
     run = Run(name)
     for it, tokens, loss, tps, tflops, mem in train:
         run.iterations.append(it)
