@@ -103,3 +103,22 @@ def test_a_run_restarted_into_the_same_log_replaces_the_earlier_records(tmp_path
     assert run.loss == [5.0, 5.0, 4.0, 4.0, 4.0, 4.0] and run.valid == [(256 * 6, 3.9)]
     assert plot_runs.summary(run, final_window=10)["median tokens/s"] == 300.0
     assert f"{log}:7 logs iteration 3 again" in capsys.readouterr().err
+
+
+def test_the_output_path_is_checked_before_drawing(tmp_path, capsys):
+    """A missing directory is made; no suffix writes (and reports) a PNG; a directory, a path under a file or a
+    format matplotlib cannot write is refused before the logs are read, with nothing written."""
+    log = tmp_path / "log.jsonl"
+    _write(log, [_rec(i, 8 * i, 32, 3.0, 100.0) for i in range(1, 4)])
+    assert plot_runs.main([str(log), "--out", str(tmp_path / "new" / "dir" / "c.png")]) == 0
+    assert (tmp_path / "new" / "dir" / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot_runs.main([str(log), "--out", str(tmp_path / "plain")]) == 0
+    assert f"wrote {tmp_path / 'plain.png'}" in capsys.readouterr().out
+    assert (tmp_path / "plain.png").read_bytes()[:4] == b"\x89PNG"
+    for out, message in [(tmp_path / "new", "is a directory: name the file"),
+                         (tmp_path / "c.foo", "matplotlib cannot write .foo files; use .png"),
+                         (log / "c.png", f"{log} is a file, not a directory")]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            plot_runs.main([str(tmp_path / "missing.jsonl"), "--out", str(out)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "new", "plain.png"]
+    assert os.listdir(tmp_path / "new" / "dir") == ["c.png"]

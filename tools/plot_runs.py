@@ -158,13 +158,44 @@ def format_table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, object]]) -> None:
+def _pyplot():
     try:
         import matplotlib
     except ImportError as e:
         raise SystemExit("plot_runs.py needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def output_path(out: str) -> str:
+    """The file --out names, checked before the logs are read: without a suffix it is a PNG (matplotlib would add
+    .png to the name); a directory, a path under a file or a format matplotlib cannot write is refused; a missing
+    directory is made."""
+    if not os.path.basename(out) or os.path.isdir(out):
+        raise SystemExit(f"plot_runs.py: --out {out} is a directory: name the file, e.g. "
+                         f"{os.path.join(out, 'compare.png')}")
+    suffix = os.path.splitext(out)[1][1:].lower()
+    if not suffix:
+        out, suffix = out + ".png", "png"
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise SystemExit(f"plot_runs.py: --out {out}: matplotlib cannot write .{suffix} files; use .png (or one of "
+                         f"{', '.join(sorted(formats))})")
+    directory = existing = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise SystemExit(f"plot_runs.py: --out {out}: {existing} is a file, not a directory")
+    os.makedirs(directory, exist_ok=True)
+    return out
+
+
+def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, object]]) -> None:
+    """Draw into `out` (see output_path), written whole or not at all."""
+    plt = _pyplot()
 
     fig = plt.figure(figsize=(11, 9.5))
     grid = fig.add_gridspec(3, 1, height_ratios=[3, 2, 1.1])
@@ -189,8 +220,14 @@ def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, obj
     table.auto_set_font_size(False)
     table.set_fontsize(7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=110, format=os.path.splitext(out)[1][1:].lower())
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv=None) -> int:
@@ -201,15 +238,16 @@ def main(argv=None) -> int:
     ap.add_argument("--final-window", type=int, default=10, help="logged values averaged for the final train loss")
     ap.add_argument("--seq-length", type=int, default=None, help="for logs without consumed_tokens")
     args = ap.parse_args(argv)
+    out = output_path(args.out)
     runs = []
     for spec in args.logs:
         name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else \
             (os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec)
         runs.append(read_run(name, path, args.seq_length))
     rows = [summary(r, args.final_window) for r in runs]
-    plot(runs, args.out, max(args.smooth, 1), rows)
+    plot(runs, out, max(args.smooth, 1), rows)
     print(format_table(rows))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
