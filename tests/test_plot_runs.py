@@ -122,3 +122,13 @@ def test_the_output_path_is_checked_before_drawing(tmp_path, capsys):
             plot_runs.main([str(tmp_path / "missing.jsonl"), "--out", str(out)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "new", "plain.png"]
     assert os.listdir(tmp_path / "new" / "dir") == ["c.png"]
+
+
+@pytest.mark.parametrize("flag,value", [("--final-window", "0"), ("--seq-length", "-4"), ("--smooth", "0")])
+def test_window_and_length_flags_below_one_are_refused(tmp_path, capsys, flag, value):
+    log = tmp_path / "log.jsonl"
+    _write(log, [_rec(i, 8 * i, 32, 3.0 + i, 100.0) for i in range(1, 4)])
+    with pytest.raises(SystemExit):
+        plot_runs.main([str(log), "--out", str(tmp_path / "c.png"), flag, value])
+    assert f"argument {flag}: must be >= 1, got {value}" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()

@@ -230,13 +230,25 @@ def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, obj
             os.remove(tmp)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: --final-window 0 averaged every value, --seq-length -4 gave negative tokens."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", help="--log-json files, optionally NAME=PATH")
     ap.add_argument("--out", required=True, help="PNG to write")
-    ap.add_argument("--smooth", type=int, default=1, help="moving-average window for the training loss")
-    ap.add_argument("--final-window", type=int, default=10, help="logged values averaged for the final train loss")
-    ap.add_argument("--seq-length", type=int, default=None, help="for logs without consumed_tokens")
+    ap.add_argument("--smooth", type=positive_int, default=1, help="moving-average window for the training loss")
+    ap.add_argument("--final-window", type=positive_int, default=10,
+                    help="logged values averaged for the final train loss")
+    ap.add_argument("--seq-length", type=positive_int, default=None, help="for logs without consumed_tokens")
     args = ap.parse_args(argv)
     out = output_path(args.out)
     runs = []
@@ -245,7 +257,7 @@ def main(argv=None) -> int:
             (os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec)
         runs.append(read_run(name, path, args.seq_length))
     rows = [summary(r, args.final_window) for r in runs]
-    plot(runs, out, max(args.smooth, 1), rows)
+    plot(runs, out, args.smooth, rows)
     print(format_table(rows))
     print(f"wrote {out}")
     return 0
