@@ -132,3 +132,18 @@ def test_window_and_length_flags_below_one_are_refused(tmp_path, capsys, flag, v
         plot_runs.main([str(log), "--out", str(tmp_path / "c.png"), flag, value])
     assert f"argument {flag}: must be >= 1, got {value}" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_runs_from_one_directory_keep_names_that_tell_them_apart(tmp_path, capsys):
+    d = tmp_path / "runs" / "a"
+    d.mkdir(parents=True)
+    logs = [str(d / "log.jsonl"), str(d / "old.jsonl"), str(tmp_path / "runs" / "b.jsonl")]
+    for i, log in enumerate(logs):
+        _write(log, [_rec(it, 8 * it, 32, 3.0 + i, 100.0) for it in range(1, 3)])
+    assert plot_runs.main(logs[:2] + ["--out", str(tmp_path / "c.png")]) == 0
+    rows = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if "| 2 | 512 |" in line]
+    assert rows == [f"| {logs[0]}", f"| {logs[1]}"]
+    assert plot_runs.run_names(logs) == [(logs[0], logs[0]), (logs[1], logs[1]), ("runs", logs[2])]
+    assert plot_runs.run_names([f"x={logs[0]}", logs[1]]) == [("x", logs[0]), ("a", logs[1])]
+    with pytest.raises(SystemExit, match="two runs are named 'x': give each its own NAME=PATH"):
+        plot_runs.run_names([f"x={logs[0]}", f"x={logs[1]}"])

@@ -19,6 +19,7 @@ import math
 import os
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -230,6 +231,24 @@ def plot(runs: List[Run], out: str, smooth_window: int, rows: List[Dict[str, obj
             os.remove(tmp)
 
 
+def run_names(specs: List[str]) -> List[Tuple[str, str]]:
+    """(name, path) per NAME=PATH or PATH. A path's name is its directory's; where two of those are the same
+    (runs/a/log.jsonl and runs/a/old.jsonl) the paths name them, so that the legend and table tell them apart."""
+    runs = []
+    for spec in specs:
+        if "=" in spec and not os.path.exists(spec):
+            name, path = spec.split("=", 1)
+            runs.append((name, path, True))
+        else:
+            runs.append((os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec, False))
+    taken = Counter(name for name, _, _ in runs)
+    runs = [(path if taken[name] > 1 and not given else name, path, given) for name, path, given in runs]
+    twice = [name for name, n in Counter(name for name, _, _ in runs).items() if n > 1]
+    if twice:
+        raise SystemExit(f"plot_runs.py: two runs are named {twice[0]!r}: give each its own NAME=PATH")
+    return [(name, path) for name, path, _ in runs]
+
+
 def positive_int(text: str) -> int:
     """argparse type: --final-window 0 averaged every value, --seq-length -4 gave negative tokens."""
     try:
@@ -251,11 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-length", type=positive_int, default=None, help="for logs without consumed_tokens")
     args = ap.parse_args(argv)
     out = output_path(args.out)
-    runs = []
-    for spec in args.logs:
-        name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else \
-            (os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec)
-        runs.append(read_run(name, path, args.seq_length))
+    runs = [read_run(name, path, args.seq_length) for name, path in run_names(args.logs)]
     rows = [summary(r, args.final_window) for r in runs]
     plot(runs, out, args.smooth, rows)
     print(format_table(rows))
