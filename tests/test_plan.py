@@ -139,3 +139,21 @@ def test_impossible_requests_get_a_clear_error(capsys, tmp_path):
     # a fixed layout that cannot be: the refusal says which
     assert plan_tool.main(MODEL + ["--world-size", "8", "--tensor-model-parallel-size", "3"]) == 2
     assert "nothing fits" in capsys.readouterr().err
+
+
+def test_a_fixed_size_that_cannot_divide_the_world_is_named(capsys):
+    """--tensor-model-parallel-size 3 (or 16) or --pipeline-model-parallel-size 3 on 8 GPUs: the refusal names the
+    flag, not just "no valid layout"."""
+    for flags, message in [(["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide "
+                             "--world-size 8"),
+                           (["--tensor-model-parallel-size", "16"], "--tensor-model-parallel-size 16 does not "
+                            "divide --world-size 8"),
+                           (["--pipeline-model-parallel-size", "3"], "TP 1 x --pipeline-model-parallel-size 3 does "
+                            "not divide --world-size 8")]:
+        assert plan_tool.main(MODEL + ["--world-size", "8"] + flags) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    # sizes the search chose itself are left out without a word: 12 GPUs of one node, TP 8 does not divide them
+    res = search(MODEL + ["--ranks-per-node", "16", "--global-batch-size", "48"], 12, load_hardware("h200"), 1000,
+                 max_micro_batch=1)
+    assert res.candidates and not [r for r in res.invalid if "does not divide" in r]

@@ -90,17 +90,27 @@ def _powers_of_two(limit: int) -> List[int]:
     return out
 
 
-def _layouts(base: MegacoatConfig, world: int, fixed: set) -> Iterable[Tuple[int, int, Optional[int]]]:
+def _layouts(base: MegacoatConfig, world: int, fixed: set,
+             refused: List[str]) -> Iterable[Tuple[int, int, Optional[int]]]:
+    """(TP, PP, layers per virtual stage) to try; a size given on the command line that cannot divide the world
+    is named in `refused` (the search leaves out such sizes of its own without a word)."""
     m, p = base.model, base.parallel
     rpn = p.ranks_per_node or world
     tps = [p.tensor_model_parallel_size] if "tp" in fixed else \
         [t for t in _powers_of_two(min(rpn, world)) if m.num_attention_heads % t == 0 and
          m.num_query_groups % t == 0 and m.ffn_hidden_size % t == 0 and m.seq_length % t == 0]
     for tp in tps:
+        if world % tp:
+            if "tp" in fixed:
+                refused.append(f"--tensor-model-parallel-size {tp} does not divide --world-size {world}")
+            continue
         pps = [p.pipeline_model_parallel_size] if "pp" in fixed else \
             [q for q in range(1, m.num_layers + 1) if m.num_layers % q == 0 and (world // tp) % q == 0]
         for pp in pps:
             if world % (tp * pp):
+                if "pp" in fixed:
+                    refused.append(f"TP {tp} x --pipeline-model-parallel-size {pp} does not divide --world-size "
+                                   f"{world}")
                 continue
             vps: List[Optional[int]] = [p.num_layers_per_virtual_pipeline_stage] if "vp" in fixed else [None]
             if "vp" not in fixed and pp > 1:
@@ -207,7 +217,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
         recipes = ["fp32"]
     res = SearchResult([])
     cache: dict = {}
-    for tp, pp, vp in _layouts(base, world, fixed):
+    for tp, pp, vp in _layouts(base, world, fixed, res.invalid):
         dp = world // (tp * pp)
         par = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                    num_layers_per_virtual_pipeline_stage=vp)
