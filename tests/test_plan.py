@@ -157,3 +157,17 @@ def test_a_fixed_size_that_cannot_divide_the_world_is_named(capsys):
     res = search(MODEL + ["--ranks-per-node", "16", "--global-batch-size", "48"], 12, load_hardware("h200"), 1000,
                  max_micro_batch=1)
     assert res.candidates and not [r for r in res.invalid if "does not divide" in r]
+
+
+def test_a_machine_or_batch_no_layout_can_mend_is_refused_up_front(capsys):
+    for flags, message in [(["--world-size", "0"], "--world-size 0 must be >= 1"),
+                           (["--world-size", "-8"], "--world-size -8 must be >= 1"),
+                           (["--world-size", "8", "--ranks-per-node", "0"], "--ranks-per-node 0 must be >= 1"),
+                           (["--world-size", "12", "--ranks-per-node", "8"], "--world-size 12 is not a multiple of "
+                            "--ranks-per-node 8: plan for whole nodes (--world-size 8 or 16)"),
+                           (["--world-size", "8", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1")]:
+        assert plan_tool.main(MODEL + flags) == 2
+        err = capsys.readouterr().err
+        assert f"tools/plan.py: error: {message}" in err and "nothing fits" not in err, err
+    # one node partly used is a machine that exists
+    assert plan_tool.main(MODEL + ["--world-size", "4", "--ranks-per-node", "8", "--top", "1"]) == 0

@@ -75,7 +75,7 @@ def plan(argv: Sequence[str], out=sys.stdout) -> int:
     args, rest = _parser().parse_known_args(argv)
     cfg = parse_args(rest)  # pretrain_gpt.py's own parser: unknown flags fail with its suggestions
     world = cfg.parallel.world_size
-    if not world:
+    if world is None:
         raise ConfigError("tools/plan.py needs --world-size N (the GPUs to plan for) and --ranks-per-node R.")
     hw = load_hardware(cfg.train.hardware, cfg.train.inter_node_gbps)
     vocab = _vocab_size(cfg)

@@ -201,6 +201,21 @@ def summary(cfg: MegacoatConfig, world: int, copies: bool) -> str:
             f"grads, {'ZeRO ' + m.comm if m.comm != NO_ZERO else 'non-sharded optimizer'}")
 
 
+def _check_machine_and_batch(base: MegacoatConfig, world: int) -> None:
+    """What no layout can mend, refused up front (else every layout is refused, and the message blames fit)."""
+    rpn, gbs = base.parallel.ranks_per_node, base.train.global_batch_size
+    if world < 1:
+        raise ConfigError(f"--world-size {world} must be >= 1 (the GPUs to plan for).")
+    if rpn is not None and rpn < 1:
+        raise ConfigError(f"--ranks-per-node {rpn} must be >= 1 (the GPUs of one node).")
+    if rpn and world > rpn and world % rpn:  # a launcher starts the same number of ranks on every node
+        whole = world - world % rpn
+        raise ConfigError(f"--world-size {world} is not a multiple of --ranks-per-node {rpn}: plan for whole nodes "
+                          f"(--world-size {whole} or {whole + rpn}).")
+    if gbs < 1:
+        raise ConfigError(f"--global-batch-size {gbs} must be >= 1.")
+
+
 def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recipes: Sequence[str] = RECIPES,
            states: Sequence[str] = STATES, comms: Sequence[str] = COMMS, max_micro_batch: int = 16,
            recompute: bool = True, plans_cache: Optional[dict] = None) -> SearchResult:
@@ -213,6 +228,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
     if base.train.global_batch_size is None:
         raise ConfigError("tools/plan.py needs --global-batch-size (the samples per step it keeps while it "
                           "chooses the layout).")
+    _check_machine_and_batch(base, world)
     if base.train.fp32:
         recipes = ["fp32"]
     res = SearchResult([])
