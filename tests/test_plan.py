@@ -171,3 +171,14 @@ def test_a_machine_or_batch_no_layout_can_mend_is_refused_up_front(capsys):
         assert f"tools/plan.py: error: {message}" in err and "nothing fits" not in err, err
     # one node partly used is a machine that exists
     assert plan_tool.main(MODEL + ["--world-size", "4", "--ranks-per-node", "8", "--top", "1"]) == 0
+
+
+def test_top_and_max_micro_batch_below_one_are_refused(capsys):
+    for flag, value in [("--top", "0"), ("--top", "-1"), ("--max-micro-batch", "0")]:
+        try:
+            rc = plan_tool.main(MODEL + ["--world-size", "8", flag, value])
+        except SystemExit as e:  # argparse
+            rc = e.code
+        captured = capsys.readouterr()
+        assert rc == 2 and f"argument {flag}: must be >= 1, got {value}" in captured.err
+        assert "pretrain_gpt.py" not in captured.out
