@@ -138,7 +138,26 @@ def test_impossible_requests_get_a_clear_error(capsys, tmp_path):
     assert "needs --global-batch-size" in capsys.readouterr().err
     # a fixed layout that cannot be: the refusal says which
     assert plan_tool.main(MODEL + ["--world-size", "8", "--tensor-model-parallel-size", "3"]) == 2
-    assert "nothing fits" in capsys.readouterr().err
+    assert "no layout can run on 8 GPUs of h200: --tensor-model-parallel-size 3" in capsys.readouterr().err
+
+
+def test_one_reason_for_every_layout_is_given_alone(capsys):
+    """A flag every layout refuses (a conflict, a value out of range, a fixed size that cannot be) is the
+    configuration's fault: it is said once, without the advice about GPUs and memory, and without repeats."""
+    for flags, message in [(["--lr", "-1"], "invalid configuration: --lr -1.0 must be > 0"),
+                           (["--fp32"], "invalid configuration: --bf16 and --fp32 conflict: pick one."),
+                           (["--overlap-grad-reduce"], "invalid configuration: --overlap-grad-reduce / "
+                            "--overlap-param-gather need --use-distributed-optimizer"),
+                           (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3 does not "
+                            "divide --world-size 8")]:
+        assert plan_tool.main(MODEL + ["--world-size", "8"] + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tools/plan.py: error: no layout can run on 8 GPUs of h200: {message}"), err
+        assert err.count(message) == 1 and "Give more GPUs" not in err
+    # reasons that differ per layout keep the list, each once
+    assert plan_tool.main(MODEL + ["--world-size", "8", "--micro-batch-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits: no valid layout" in err and err.count("TP 1 PP 1:") == 1
 
 
 def test_a_fixed_size_that_cannot_divide_the_world_is_named(capsys):
@@ -148,8 +167,8 @@ def test_a_fixed_size_that_cannot_divide_the_world_is_named(capsys):
                              "--world-size 8"),
                            (["--tensor-model-parallel-size", "16"], "--tensor-model-parallel-size 16 does not "
                             "divide --world-size 8"),
-                           (["--pipeline-model-parallel-size", "3"], "TP 1 x --pipeline-model-parallel-size 3 does "
-                            "not divide --world-size 8")]:
+                           (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3 does not "
+                            "divide --world-size 8")]:
         assert plan_tool.main(MODEL + ["--world-size", "8"] + flags) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err

@@ -109,8 +109,9 @@ def _layouts(base: MegacoatConfig, world: int, fixed: set,
         for pp in pps:
             if world % (tp * pp):
                 if "pp" in fixed:
-                    refused.append(f"TP {tp} x --pipeline-model-parallel-size {pp} does not divide --world-size "
-                                   f"{world}")
+                    refused.append(f"--pipeline-model-parallel-size {pp} does not divide --world-size {world}"
+                                   if world % pp else f"TP {tp} x --pipeline-model-parallel-size {pp} does not "
+                                   f"divide --world-size {world}")
                 continue
             vps: List[Optional[int]] = [p.num_layers_per_virtual_pipeline_stage] if "vp" in fixed else [None]
             if "vp" not in fixed and pp > 1:
@@ -349,10 +350,17 @@ def command_line(argv: Sequence[str], cand: Candidate) -> List[str]:
 
 
 def no_fit_message(res: SearchResult, world: int, hw: Hardware) -> str:
+    """Why the search found nothing. One reason for every layout refused (a flag in conflict with another, a
+    size given that cannot be) is the configuration's fault, not the fit's: it is given alone."""
+    refusals = list(dict.fromkeys(res.invalid))  # the vp variants of a layout repeat its refusal
+    causes = list(dict.fromkeys(r.split(": ", 1)[1] if r.startswith("TP ") and ": " in r else r for r in refusals))
+    where = f"on {world} GPUs of {hw.name}"
+    if not res.too_large and len(causes) == 1:
+        return f"no layout can run {where}: {causes[0]}"
     why = (f"{res.too_large} of {res.configurations} configurations over {hw.memory_gib - hw.reserved_gib:.1f} GiB "
-           f"per GPU" if res.configurations else "no valid layout")
-    hint = "; ".join(res.invalid[:3])
-    return (f"nothing fits: {why} on {world} GPUs of {hw.name}" + (f" (layouts refused: {hint})" if hint else "")
+           f"per GPU" if res.too_large else "no valid layout")
+    hint = "; ".join(refusals[:3])
+    return (f"nothing fits: {why} {where}" + (f" (layouts refused: {hint})" if hint else "")
             + ". Give more GPUs, a smaller --global-batch-size or model, or fewer fixed flags.")
 
 
