@@ -65,7 +65,8 @@ def test_real_log_and_old_logs_need_seq_length(tmp_path):
 @pytest.mark.parametrize("record,message", [
     ({"iteration": 1, "consumed_tokens": 8, "lm_loss": 3.0}, ":2 has no 'tokens_per_s'"),
     ({"consumed_tokens": 8, "lm_loss": 3.0, "tokens_per_s": 5.0}, ":2 has no 'iteration'"),
-    ({"iteration": 1, "consumed_tokens": 8, "lm_loss": "3.0", "tokens_per_s": 5.0}, ":2: lm_loss is '3.0', not a number"),
+    ({"iteration": 1, "consumed_tokens": 8, "lm_loss": "3.0", "tokens_per_s": 5.0},
+     ":2: lm_loss is '3.0', not a number"),
     ({"iteration": 1.5, "consumed_tokens": 8, "lm_loss": 3.0, "tokens_per_s": 5.0}, ":2: iteration 1.5 is not"),
     ({"iteration": 2, "valid_loss": [3.0]}, ":2: valid_loss is [3.0], not a number"),
     ([1, 2, 3], ":2 is not a JSON object")])
