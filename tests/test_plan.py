@@ -201,3 +201,18 @@ def test_top_and_max_micro_batch_below_one_are_refused(capsys):
         captured = capsys.readouterr()
         assert rc == 2 and f"argument {flag}: must be >= 1, got {value}" in captured.err
         assert "pretrain_gpt.py" not in captured.out
+
+
+def test_the_scaling_tables_page_and_plot_are_checked_before_the_study(tmp_path, capsys, monkeypatch):
+    def study(*a, **k):
+        raise AssertionError("the study ran before its outputs were checked")
+    monkeypatch.setattr(plan_tool, "scaling_rows", study)
+    page = tmp_path / "planner.md"
+    assert plan_tool.main(["--scaling-table", "--out", str(page), "--plot", str(tmp_path / "p.png")]) == 2
+    assert f"--out {page}: no such page" in capsys.readouterr().err
+    page.write_text("no markers\n")
+    assert plan_tool.main(["--scaling-table", "--out", str(page), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "has no <!-- scaling-table --> ... <!-- /scaling-table --> block" in capsys.readouterr().err
+    page.write_text(f"{plan_tool.BEGIN}\n{plan_tool.END}\n")
+    assert plan_tool.main(["--scaling-table", "--out", str(page), "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert f"--plot {tmp_path / 'no' / 'p.png'}: its directory does not exist" in capsys.readouterr().err

@@ -221,14 +221,24 @@ def scaling_plot(rows: List[dict], path: str) -> bool:
     return True
 
 
+def _page_with_markers(page: str) -> str:
+    if not os.path.isfile(page):
+        raise ConfigError(f"--out {page}: no such page; give a markdown file holding a {BEGIN} ... {END} block.")
+    text = open(page).read()
+    if BEGIN not in text or END not in text:
+        raise ConfigError(f"{page} has no {BEGIN} ... {END} block to write the scaling study into.")
+    return text
+
+
 def write_scaling(page: str, plot: str) -> None:
+    _page_with_markers(page)  # checked before the study's searches (minutes), not after them
+    if not os.path.isdir(os.path.dirname(os.path.abspath(plot))):
+        raise ConfigError(f"--plot {plot}: its directory does not exist.")
     rows = scaling_rows()
     block = scaling_markdown(rows)
     if scaling_plot(rows, plot):
         block += f"\n\n![predicted tokens/s per GPU]({os.path.relpath(plot, os.path.dirname(page))})"
-    text = open(page).read()
-    if BEGIN not in text or END not in text:
-        raise ConfigError(f"{page} has no {BEGIN} ... {END} block to write the scaling study into.")
+    text = _page_with_markers(page)  # read again: the page may have been edited during the study
     text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{block}\n{END}", text,
                   flags=re.S)
     with open(page, "w") as f:
