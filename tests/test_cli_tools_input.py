@@ -225,3 +225,16 @@ def test_train_tokenizer_bad_lines_name_the_flag_and_are_shown_ten_at_most(tmp_p
     assert rc == 1 and f"{src}:61: malformed JSON" in err and "(pass --skip-bad-lines to skip malformed lines)" in err
     rc, err = _train_tokenizer(capsys, *args, "--skip-bad-lines")
     assert rc == 0 and err.count("skipping bad line:") == 10 and "skipped 30 bad line(s)" in err
+
+
+def test_a_truncated_or_fake_gzip_input_is_named(tmp_path, capsys):
+    import gzip
+    text = "".join(json.dumps({"text": _ids(50, random.Random(i))}) + "\n" for i in range(200)).encode()
+    whole = gzip.compress(text)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "fake.jsonl.gz").write_bytes(text)
+    for name in ("cut.jsonl.gz", "fake.jsonl.gz"):
+        rc, err = _preprocess(capsys, "--input", tmp_path / name, "--output-prefix", tmp_path / "o",
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, "--skip-bad-lines")
+        assert rc == 1 and f"{tmp_path / name}: not a complete gzip file" in err
+        assert not list(tmp_path.glob("o_*"))

@@ -96,9 +96,14 @@ def _open(path: str):
     with open(path, "rb") as raw:
         if path.endswith(".gz"):
             import gzip
+            import zlib
 
             with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield f, raw.tell
+                try:
+                    yield f, raw.tell
+                except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # raised while the caller reads
+                    raise BadInputError(f"{path}: not a complete gzip file ({e}): recompress it, or leave it out "
+                                        "of --input") from None
         else:
             yield raw, raw.tell
 
