@@ -255,3 +255,46 @@ def test_calibrate_refuses_clearly_without_a_gpu(capsys):
     import calibrate
     assert calibrate.main(["--name", "x", "--out", os.devnull]) == 2
     assert "measures a GPU; none is visible" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_machine_file_the_planner_loads(tmp_path, monkeypatch, capsys, h200):
+    """The file-writing half of calibrate.py on CPU: the GPU measurements are stood in for by scaled h200 values
+    (one part failing), and the file it writes loads, carries those numbers and says what was not measured."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import calibrate
+    raw = _raw()
+    rng = random.Random(3)
+    scale = rng.uniform(0.4, 0.8)  # a slower GPU than the h200
+    gemm = {f: [[m, n, k, round(t * scale, 1)] for m, n, k, t in raw["gemm"][f]] for f in ("bf16", "fp8")}
+    bandwidth = {k: round(v * scale, 1) for k, v in raw["bandwidth_GBps"].items() if k != "source"}
+    monkeypatch.setattr(calibrate, "part_gemm", lambda deadline: gemm)
+    monkeypatch.setattr(calibrate, "part_attention", lambda: {"forward_tflops": 300.0, "backward_tflops": 250.0})
+    monkeypatch.setattr(calibrate, "part_bandwidth", lambda: dict(bandwidth))
+    monkeypatch.setattr(calibrate, "part_optimizer", lambda: 1 / 0)  # fails: the h200 values stay, and it says so
+    host = {k: v for k, v in raw["host"].items() if k != "source"}
+    monkeypatch.setattr(calibrate, "part_host", lambda: dict(host))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 80 * 2**30})())
+    out = tmp_path / "slow.json"
+    assert calibrate.main(["--name", "slow", "--out", str(out), "--inter-node-gbps", "100"]) == 0
+    assert "optimizer_ms_per_256M: failed, h200 values kept" in capsys.readouterr().out
+    hw = load_hardware(str(out))
+    assert hw.name == "slow" and hw.memory_gib == 80.0
+    assert hw.bandwidth_GBps["hbm_copy"] == bandwidth["hbm_copy"]
+    assert hw.links["inter_node"].bus_GBps == pytest.approx(100 / 8)
+    got = json.load(open(out))
+    assert got["optimizer_ms_per_256M"]["source"].startswith("not measured (ZeroDivisionError")
+    assert got["attention"]["forward_tflops"] == 300.0 and "Test GPU" in got["host"]["source"]
+    # the SDP4Bit kernels are not timed: h200's, slowed by the copy bandwidth ratio
+    assert got["sdp4bit_ms_per_256M"]["source"].startswith("the h200 file's kernel times scaled")
+    k = next(k for k in got["sdp4bit_ms_per_256M"] if k != "source")
+    assert got["sdp4bit_ms_per_256M"][k] == pytest.approx(h200.sdp4bit_ms_per_256M[k] / scale, rel=0.01)
+    # the planner runs on it and predicts a slower step than on the h200 (a GPU-bound shape)
+    cfg = parse_args(SMALL + ["--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+                              "--micro-batch-size", "4", "--global-batch-size", "4"])
+    plans = plan_stages(cfg, 1, 1000, GPU)
+    slow, fast = predict(cfg, 1, plans, load_hardware(str(out)), 1000), predict(cfg, 1, plans, h200, 1000)
+    assert not fast.host_bound and slow.seconds > 1.2 * fast.seconds
