@@ -238,3 +238,18 @@ def test_a_truncated_or_fake_gzip_input_is_named(tmp_path, capsys):
                               "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, "--skip-bad-lines")
         assert rc == 1 and f"{tmp_path / name}: not a complete gzip file" in err
         assert not list(tmp_path.glob("o_*"))
+
+
+def test_a_file_named_twice_or_not_a_file_is_refused(tmp_path, capsys):
+    """`--input d d/a.jsonl` (a directory and a file under it) would tokenize a.jsonl twice into the dataset."""
+    d = tmp_path / "d"
+    d.mkdir()
+    src = _jsonl(d / "a.jsonl", [_ids(5, random.Random(11))])
+    args = ["--output-prefix", tmp_path / "o", "--tokenizer-type", "NullTokenizer", "--vocab-size", 10]
+    rc, err = _preprocess(capsys, "--input", src, src, *args)
+    assert rc == 1 and f"--input names {src} twice: give each file once" in err
+    rc, err = _preprocess(capsys, "--input", d, os.path.relpath(src), *args)
+    assert rc == 1 and f"--input names {os.path.relpath(src)} twice (also as {src}): give each file once" in err
+    rc, err = _preprocess(capsys, "--input", os.devnull, *args)
+    assert rc == 1 and f"--input {os.devnull} is neither a regular file nor a directory" in err
+    assert not list(tmp_path.glob("o_*"))

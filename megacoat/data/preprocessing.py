@@ -64,8 +64,17 @@ def expand_inputs(inputs: Sequence[str], suffixes: Optional[Sequence[str]] = Non
                 raise BadInputError(f"--input {path} is a tokenized dataset file (.bin/.idx), not text: pass the "
                                     "raw text it was made from")
             files.append(path)
+        elif os.path.exists(path):
+            raise BadInputError(f"--input {path} is neither a regular file nor a directory")
         else:
             raise FileNotFoundError(f"--input {path}: no such file or directory")
+    seen: Dict[str, str] = {}
+    for f in files:  # a file named twice (a glob and a directory over it) would be tokenized twice
+        real = os.path.realpath(f)
+        if real in seen:
+            raise BadInputError(f"--input names {f} twice" + (f" (also as {seen[real]})" if seen[real] != f else "")
+                                + ": give each file once")
+        seen[real] = f
     return files
 
 
