@@ -253,3 +253,11 @@ def test_a_file_named_twice_or_not_a_file_is_refused(tmp_path, capsys):
     rc, err = _preprocess(capsys, "--input", os.devnull, *args)
     assert rc == 1 and f"--input {os.devnull} is neither a regular file nor a directory" in err
     assert not list(tmp_path.glob("o_*"))
+
+
+def test_train_tokenizer_will_not_overwrite_its_input(tmp_path, capsys):
+    src = _jsonl(tmp_path / "c.jsonl", _words(50, random.Random(12)))
+    before = src.read_bytes()
+    rc, err = _train_tokenizer(capsys, "--input", tmp_path, "--output-model", src, "--vocab-size", 300, "--threads", 1)
+    assert rc == 2 and f"--output-model {src} is one of the --input files" in err
+    assert src.read_bytes() == before

@@ -73,6 +73,10 @@ def main(argv=None) -> int:
         if not files:
             print("error: --input matched no files", file=sys.stderr)
             return 2
+        if os.path.realpath(args.output_model) in {os.path.realpath(f) for f in files}:  # it would be overwritten
+            print(f"error: --output-model {args.output_model} is one of the --input files: name a new file",
+                  file=sys.stderr)
+            return 2
         try:
             train_sentencepiece(texts(files, args.input_format, args.json_keys, skipped), args.output_model,
                                 vocab_size=args.vocab_size, model_type=args.model_type,
