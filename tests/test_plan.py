@@ -216,3 +216,23 @@ def test_the_scaling_tables_page_and_plot_are_checked_before_the_study(tmp_path,
     page.write_text(f"{plan_tool.BEGIN}\n{plan_tool.END}\n")
     assert plan_tool.main(["--scaling-table", "--out", str(page), "--plot", str(tmp_path / "no" / "p.png")]) == 2
     assert f"--plot {tmp_path / 'no' / 'p.png'}: its directory does not exist" in capsys.readouterr().err
+
+
+def test_the_scaling_table_replaces_only_its_block(tmp_path, monkeypatch):
+    from types import SimpleNamespace as Pick
+
+    def row(gpus, gbps, tps):  # a study's row: the best picks per method, plain and with SDP4Bit
+        return {"model": "7B", "gpus": gpus, "gbps": gbps,
+                **{m: {"plain": Pick(tokens_per_s_per_gpu=tps, summary="TP 1"),
+                       "sdp4bit": Pick(tokens_per_s_per_gpu=tps * 1.1, summary="TP 1, qWD")} for m in ("bf16", "COAT")}}
+
+    rows = [row(8, 100, 4000.0), row(64, 100, 3500.0)]
+    monkeypatch.setattr(plan_tool, "scaling_rows", lambda: rows)  # the study itself takes minutes
+    page = tmp_path / "planner.md"
+    page.write_text(f"before\n{plan_tool.BEGIN}\nold table\n{plan_tool.END}\nafter\n")
+    assert plan_tool.main(["--scaling-table", "--out", str(page), "--plot", str(tmp_path / "p.png")]) == 0
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith(f"{plan_tool.END}\nafter\n") and "old table" not in text
+    assert plan_tool.scaling_markdown(rows) in text and "3,850 (1.10x)" in text
+    assert "7B, COAT: 8 GPUs at 100 Gb/s 1.10x, 64 GPUs at 100 Gb/s 1.10x." in text
+    assert sorted(os.listdir(tmp_path)) in (["p.png", "planner.md"], ["planner.md"])  # no temporary file left

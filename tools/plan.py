@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megacoat.checkpoint.format import write_file_atomic  # noqa: E402
 from megacoat.config import ConfigError, parse_args  # noqa: E402
 from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware  # noqa: E402
 from megacoat.training.layout_search import (COMMS, RECIPES, STATES, command_line, distinct,  # noqa: E402
@@ -241,8 +242,7 @@ def write_scaling(page: str, plot: str) -> None:
     text = _page_with_markers(page)  # read again: the page may have been edited during the study
     text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{block}\n{END}", text,
                   flags=re.S)
-    with open(page, "w") as f:
-        f.write(text)
+    write_file_atomic(page, text.encode())  # a page is never left half written
     print(f"wrote the scaling study into {page}", file=sys.stderr)
 
 
