@@ -41,6 +41,8 @@ TEXT_PATTERNS = [
     (r"\bcalls?(?:-| ?)\d+", re.I, "a numbered call"),
     # "issue N", "Issues N (qWD) and M", "issue #N".
     (r"\bissues? ?#?\d+", re.I, "an issue number"),
+    # "the issue asks", "this issue", "the issue beside": a filed work item (not "instruction issue").
+    (r"\b(?:the|this|that|an|each|every) issues?\b(?! (?:slots?|rate|width|order))", re.I, "a filed work item"),
     # "round N", "round-N kernels", "ROUNDN_MS", "roundN_ms" (not "round(", "rounds", "round-off").
     (r"\bround(?:[_-]| ?)\d+", re.I, "a round number"),
     # "this round's quantizer", "the previous round": a round of work (not the verb: "values that round up",
@@ -157,12 +159,14 @@ def test_patterns_catch_what_they_are_for():
            f"{up}/shared/golden", "/work/shared/x.pt", "one device " + "call", "machines were lent",
            "on nvidia-h200-x4", "2026-12-01 s10)", "the H200, s10)", "2026-12-02_s16_h200.md",
            "ask the lead engineer", "in this session", "with this round's quantizer",
-           f"tuned in session\n    # {n} of the work", f"(s3\n// call {n})"]
+           f"tuned in session\n    # {n} of the work", f"(s3\n// call {n})", "what the issue asks for",
+           "this issue adds", "the issues filed beside"]
     good = ["s1, s2 = tl.load(p), tl.load(q)", "c = s64 - s64.mean(-1)", "S2 = m // 4", "sm_90a", "fp8 e4m3",
             "round(x, 2)", "rounds to nearest", "round-off", "start_new_session=True", "the C++ helper",
             "the lead trace", "mean lead ms", "--out /tmp/ce.json", "one call of fn", "equivalent", "release",
             "design of the kernel", "0x5s16", "its fastest round counts", "two rounds per element",
-            "values that round up across a power of two", "the next call of fn"]
+            "values that round up across a power of two", "the next call of fn", "bound by instruction issue",
+            "issue them in that order", "the order the loop issues it", "take issue slots"]
     assert [s for s in bad if not text_hit(s)] == []
     assert [s for s in good if text_hit(s)] == []
     assert all(name_hit(s) for s in ["2026-12-02_s16_h200.md", "2026-12-01_h200_s10call1_log.txt", "call2_x4_report.md",
