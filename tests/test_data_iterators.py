@@ -88,8 +88,48 @@ def test_resume_at_consumed_samples(blended_cfg):
     resumed = global_batches(blended_cfg, tok, 2, 5, consumed=3 * 8)
     for a, b in zip(full[3:], resumed):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="multiple of the global batch"):
-        build_data_iterators(blended_cfg, tok, 0, 2, consumed_samples=5)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_resume_between_global_batches_reads_on_from_the_next_sample(blended_cfg, dp_size):
+    """A checkpoint of another --global-batch-size (or saved during a batch-size ramp) leaves consumed
+    samples that are no multiple of this run's batch: the run goes on with the next unread sample, as
+    Megatron's sampler does (it stopped with a ValueError traceback)."""
+    tok = build_tokenizer(blended_cfg.data)
+    ds = build_data_iterators(blended_cfg, tok, 0, 1).train_dataset
+    resumed = global_batches(blended_cfg, tok, dp_size, 3, consumed=12)
+    for i, batch in enumerate(resumed):
+        expected = np.stack([ds[j][:-1] for j in range(12 + 8 * i, 12 + 8 * (i + 1))])
+        assert torch.equal(batch, torch.from_numpy(expected))
+
+
+def test_rampup_steps_take_consecutive_samples_for_any_dp_size(tmp_path):
+    """--rampup-batch-size: each step reads the next global-batch-size samples in order (split into one
+    block per DP rank), so the samples of a step, and where a resumed run starts, do not depend on DP."""
+    from megacoat.config import global_batch_size_at
+    from megacoat.data.sampler import GlobalOrderBatchSampler
+
+    cfg = make_cfg(tmp_path, "--mock-data", "--vocab-size", "50", "--micro-batch-size", "1", "--train-samples", "40",
+                   "--rampup-batch-size", "2", "2", "12", world=2)
+    sizes = [global_batch_size_at(cfg, c) for c in (0, 2, 4, 8, 14)]
+    assert sizes == [2, 2, 4, 6, 8]
+
+    def steps(dp_size, consumed):
+        samplers = [iter(GlobalOrderBatchSampler(40, consumed, 1, 8, r, dp_size,
+                                                 batch_size_at=lambda c: global_batch_size_at(cfg, c)))
+                    for r in range(dp_size)]
+        out, c = [], consumed
+        while c + global_batch_size_at(cfg, c) <= 40:
+            per_rank = global_batch_size_at(cfg, c) // dp_size
+            out.append([i for s in samplers for _ in range(per_rank) for i in next(s)])
+            c += global_batch_size_at(cfg, c)
+        assert all(next(s, None) is None for s in samplers)  # the stream ends with the last whole step
+        return out
+
+    one = steps(1, 0)
+    assert one[:5] == [[0, 1], [2, 3], [4, 5, 6, 7], list(range(8, 14)), list(range(14, 22))]
+    assert steps(2, 0) == one
+    assert steps(2, 4) == one[2:]  # resumed during the ramp at 4 consumed samples (2 x 8 would be 16)
 
 
 def test_train_stops_valid_cycles(blended_cfg):

@@ -69,10 +69,11 @@ def test_rampup_batch_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_rampup_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("stop", [3, 4])  # after 8 consumed samples (a whole final batch), after 14 (not one)
+def test_rampup_resume_is_exact(tmp_path, stop):
     flags = BASE + ["--global-batch-size", "8", "--train-samples", "30", "--rampup-batch-size", "2", "2", "12"]
     ckpt = tmp_path / "ckpt"
-    a = run_cli(flags + ["--save", str(ckpt), "--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl")])
+    a = run_cli(flags + ["--save", str(ckpt), "--exit-interval", str(stop), "--log-json", str(tmp_path / "a.jsonl")])
     assert a.returncode == 0, a.stderr[-2000:]
     b = run_cli(flags + ["--load", str(ckpt), "--save", str(ckpt), "--log-json", str(tmp_path / "a.jsonl")])
     assert b.returncode == 0, b.stderr[-2000:]

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 
+from megacoat.config import global_batch_size_at
 from megacoat.data.dataset_builder import (DataConfigError, build_blend_dataset, build_mock_datasets,
                                            build_split_datasets, index_cache_dir, parse_blend, samples_per_split)
 from megacoat.data.default_corpus import prepare_default_corpus
@@ -169,7 +170,8 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
     """Micro-batch iterators for this data-parallel rank (see sampler.py for the order) over
     `datasets` (default: build_datasets(cfg, tokenizer)).
 
-    train starts at `consumed_samples` and stops after its samples; valid starts at
+    train starts at `consumed_samples` (any number: a resumed run reads on from the next unread sample)
+    and stops after its samples; valid starts at
     `consumed_valid_samples` (a resumed run continues its validation stream); valid and test
     cycle forever (None when the split is empty).
     """
@@ -187,7 +189,10 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
             iters.append(None)
             continue
         start = {"train": consumed_samples, "valid": consumed_valid_samples}.get(name, 0)
-        sampler = GlobalOrderBatchSampler(len(ds), start, mbs, gbs, dp_rank, dp_size, cyclic=name != "train")
+        # Training steps grow with --rampup-batch-size; evaluation reads full global batches.
+        ramp = (lambda consumed: global_batch_size_at(cfg, consumed)) if name == "train" else None
+        sampler = GlobalOrderBatchSampler(len(ds), start, mbs, gbs, dp_rank, dp_size, cyclic=name != "train",
+                                          batch_size_at=ramp)
         loader = _loader(ds, sampler, cfg.data.num_workers, cfg.train.exit_signal_handler)
         iters.append(_micro_batches(loader, collate))
     return DataIterators(*iters, train_dataset=train_ds, valid_dataset=valid_ds, test_dataset=test_ds)
