@@ -1,4 +1,4 @@
-"""Hugging Face directories (config.json + safetensors) <-> megacoat checkpoints, Llama and GPT-2.
+"""Hugging Face directories (config.json + weights) <-> megacoat checkpoints, Llama and GPT-2.
 
 Every unsupported feature raises CheckpointError naming it: a conversion never produces a
 silently different model. HF weights that the mapping did not consume are an error too.
@@ -16,46 +16,13 @@ from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoi
 from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
+from .hf_files import HFWeights, read_config, read_weights, unused_weights
 from .target import check_checkpoint_target, check_hf_target, check_target_pp
 
 FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-class _Tracked(dict):
-    """Records which keys a mapping read, to find weights it would silently drop."""
-
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.used = set()
-
-    def __getitem__(self, k):
-        self.used.add(k)
-        return super().__getitem__(k)
-
-
-def read_hf_dir(hf_dir: str):
-    """(config dict, {name: tensor}) from a Hugging Face model directory."""
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{hf_dir} has no config.json; point --load-dir at a Hugging Face model directory")
-    config = json.load(open(cfg_path))
-    from safetensors.torch import load_file  # optional dependency: `pip install safetensors`
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    elif os.path.exists(os.path.join(hf_dir, "pytorch_model.bin")):
-        return config, torch.load(os.path.join(hf_dir, "pytorch_model.bin"), weights_only=True, map_location="cpu")
-    else:
-        raise CheckpointError(f"{hf_dir} has no model.safetensors, safetensors index or pytorch_model.bin")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(os.path.join(hf_dir, f)))
-    return config, tensors
 
 
 def family_of_hf(config: dict) -> str:
@@ -81,12 +48,12 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
                    force: bool = False) -> str:
     """A weights-only megacoat checkpoint (iteration 0) of a Hugging Face Llama or GPT-2 directory."""
     check_checkpoint_target(save_dir, 0, force)
-    config, raw = read_hf_dir(hf_dir)
+    config = read_config(hf_dir)
     family = family_of_hf(config)
-    tracked = _Tracked(raw)
-    m, vocab_size, tensors = FAMILIES[family].from_hf(config, tracked)
+    weights = HFWeights(read_weights(hf_dir), hf_dir)
+    m, vocab_size, tensors = FAMILIES[family].from_hf(config, weights)
     check_target_pp(pp, m.num_layers)
-    unused = sorted(k for k in set(raw) - tracked.used if not k.endswith(IGNORED_SUFFIXES))
+    unused = unused_weights(weights, IGNORED_SUFFIXES)
     if unused:
         raise CheckpointError(f"the Hugging Face weights hold tensors the {family} mapping does not understand "
                               f"({', '.join(unused[:5])}); converting would drop them")

@@ -1,0 +1,159 @@
+"""tools/checkpoint/convert.py given what users get wrong: damaged or unusual Hugging Face directories,
+bad targets. Each is converted correctly or refused with one line naming the problem and the fix."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import megacoat
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from test_checkpoint_hf import _assert_logits_close, _hf_logits, _tokens, convert, llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny Llama saved in one file and sharded (index + 4 shards), and its logits."""
+    root = tmp_path_factory.mktemp("hf")
+    model = llama()
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="100KB")
+    assert len(list((root / "sharded").glob("model-*.safetensors"))) > 1
+    return root, _hf_logits(model, _tokens())
+
+
+def _to_megacoat(src, dst, *extra):
+    return convert("--load-format", "hf", "--load-dir", str(src), "--save-format", "megacoat", "--save-dir", str(dst),
+                   *extra)
+
+
+def _one_line_error(capsys, *words):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _no_config(d):
+    (d / "config.json").unlink()
+
+
+def _config_not_json(d):
+    (d / "config.json").write_text("{\"model_type\": \"llama\",")
+
+
+def _config_a_list(d):
+    (d / "config.json").write_text("[1, 2]")
+
+
+def _missing_shard(d):
+    sorted(d.glob("model-*.safetensors"))[1].unlink()
+
+
+def _index_without_weight_map(d):
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+
+def _shard_from_another_download(d):
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors.pop(sorted(tensors)[0])
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _truncated_safetensors(d):
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+def _config_without_key(d):
+    _edit_config(d, intermediate_size=None)
+
+
+def _config_with_more_layers(d):
+    _edit_config(d, num_hidden_layers=3)
+
+
+def _pickle_with_code(d):
+    (d / "model.safetensors").unlink()
+    torch.save({"w": _RunsCode()}, d / "pytorch_model.bin")
+
+
+def _damaged_pickle(d):
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(bytes(range(256)) * 4)
+
+
+class _RunsCode:
+    """Unpickled, it would create a file named by the test."""
+
+    def __reduce__(self):
+        return (open, (os.environ["CONVERT_PICKLE_MARKER"], "w"))
+
+
+@pytest.mark.parametrize("layout, damage, words", [
+    ("single", _no_config, ["no config.json", "--load-dir"]),
+    ("single", _config_not_json, ["config.json", "not readable JSON"]),
+    ("single", _config_a_list, ["config.json", "JSON list"]),
+    ("sharded", _missing_shard, ["lacks 1 of the", "model-00002-of-", "download"]),
+    ("sharded", _index_without_weight_map, ["model.safetensors.index.json", "weight_map"]),
+    ("sharded", _shard_from_another_download, ["names tensors its shards do not hold", "download"]),
+    ("single", _truncated_safetensors, ["model.safetensors", "truncated or damaged"]),
+    ("single", _config_without_key, ["config.json", "'intermediate_size'"]),
+    ("single", _config_with_more_layers, ["model.layers.2.", "do not match config.json"]),
+    ("single", _pickle_with_code, ["pytorch_model.bin", "could run code", "safetensors"]),
+    ("single", _damaged_pickle, ["pytorch_model.bin", "damaged, or not a weights file"]),
+], ids=lambda x: x.__name__.strip("_") if callable(x) else None)
+def test_damaged_hf_directories_are_named(tmp_path, capsys, monkeypatch, hf_llama, layout, damage, words):
+    root, _ = hf_llama
+    src = _copy(root / layout, tmp_path / "hf")
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("CONVERT_PICKLE_MARKER", str(marker))
+    damage(src)
+    assert _to_megacoat(src, tmp_path / "out") == 2
+    _one_line_error(capsys, *words)
+    assert not marker.exists()  # nothing in a pickle ran
+    assert not (tmp_path / "out").exists() or not any(p.name.startswith("iter_") for p in (tmp_path / "out").iterdir())
+
+
+def test_pickled_and_sharded_weights_convert(tmp_path, hf_llama):
+    """pytorch_model.bin (one file or sharded with its index), read weights-only, gives the same model."""
+    root, want = hf_llama
+    one = _copy(root / "single", tmp_path / "bin")
+    torch.save(load_file(one / "model.safetensors"), one / "pytorch_model.bin")
+    (one / "model.safetensors").unlink()
+    sharded = _copy(root / "sharded", tmp_path / "bin_sharded")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    renamed = {}
+    for shard in sorted(sharded.glob("model-*.safetensors")):
+        renamed[shard.name] = shard.name.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+        torch.save(load_file(shard), sharded / renamed[shard.name])
+        shard.unlink()
+    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (sharded / "model.safetensors.index.json").unlink()
+    for src in (one, sharded, root / "sharded"):
+        out = tmp_path / f"mc_{src.name}"
+        assert _to_megacoat(src, out) == 0
+        with torch.no_grad():
+            _assert_logits_close(megacoat.load_model(str(out), dtype=torch.float32)(_tokens()), want)
