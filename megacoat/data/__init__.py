@@ -74,10 +74,12 @@ class DataIterators:
     test_dataset: Any = None
 
 
-def _build_datasets(cfg, tokenizer):
+def _build_datasets(cfg, tokenizer, train_samples: Optional[int]):
     d, seq, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
     t = cfg.train
     sizes = samples_per_split(t.train_iters, t.eval_interval, t.eval_iters, t.global_batch_size)
+    if train_samples is not None:
+        sizes[0] = max(sizes[0], train_samples)
     cache = index_cache_dir(d.data_cache_path)
     if d.mock_data:
         return build_mock_datasets(tokenizer.vocab_size, sizes, seq, seed)
@@ -108,13 +110,15 @@ def _no_validation_data(d) -> str:
     return f"--split {d.split} leaves no documents of {source} for validation"
 
 
-def build_datasets(cfg, tokenizer) -> Datasets:
+def build_datasets(cfg, tokenizer, train_samples: Optional[int] = None) -> Datasets:
     """The train/valid/test datasets of the flags; indices are built (or read from the cache) here.
+    The train split holds at least --train-iters x --global-batch-size samples, or `train_samples`
+    if more (a run resumed from a checkpoint of a larger global batch reads further).
 
     Refuses (DataConfigError, naming the data and the split) a train split without documents and data
     made with another tokenizer, so that a run fails before its model is built. A validation split
     without documents while --eval-iters > 0 skips evaluation with a warning (as Megatron skips it)."""
-    train, valid, test = _build_datasets(cfg, tokenizer)
+    train, valid, test = _build_datasets(cfg, tokenizer, train_samples)
     if train is None:  # the builders refuse empty train splits naming the prefixes; this is the last guard
         raise DataConfigError("no training data: give --data-path or --train-data-path with documents to train on")
     for name, ds in (("train", train), ("valid", valid), ("test", test)):

@@ -202,6 +202,7 @@ class Trainer:
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
         self.checkpointer.load(self)
+        self._cover_resumed_run()
         self.skip_guard = SkipGuard(cfg.train.max_skipped_iterations, self.device)
         self.exit_signal = ExitSignalHandler(self.device, timeout_minutes=cfg.parallel.distributed_timeout_minutes) \
             if cfg.train.exit_signal_handler else None
@@ -235,6 +236,15 @@ class Trainer:
         return note
 
     # ----------------------------------------------------------------------------------- data
+    def _cover_resumed_run(self) -> None:
+        """The train split is sized --train-iters x --global-batch-size; a run resumed from a checkpoint of a
+        larger global batch has consumed more than its iterations account for, and needs the samples up to
+        its last step: the train dataset is then built again, that long."""
+        t, st = self.cfg.train, self.state
+        needed = st.consumed_samples + max(t.train_iters - st.iteration, 0) * t.global_batch_size
+        if len(self.datasets.train) < needed:
+            self.datasets = build_datasets(self.cfg, self.tokenizer, train_samples=needed)
+
     def data_iterators(self):
         if self._iters is None:
             self._iters = build_data_iterators(self.cfg, self.tokenizer, self.ctx.dp_rank, self.ctx.dp_size,
