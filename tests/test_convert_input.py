@@ -12,7 +12,7 @@ import megacoat
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_checkpoint_hf import _assert_logits_close, _hf_logits, _tokens, convert, llama  # noqa: E402
+from test_checkpoint_hf import _assert_logits_close, _hf_logits, _tokens, convert, gpt2, llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,46 @@ def test_pickled_and_sharded_weights_convert(tmp_path, hf_llama):
         assert _to_megacoat(src, out) == 0
         with torch.no_grad():
             _assert_logits_close(megacoat.load_model(str(out), dtype=torch.float32)(_tokens()), want)
+
+
+def _rewrite_weights(d, edit):
+    tensors = edit(load_file(d / "model.safetensors"))
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("make, prefix", [(gpt2, "transformer."), (llama, "model.")], ids=["gpt2", "llama"])
+def test_base_model_layout_converts(tmp_path, make, prefix):
+    """Weights named as the base model names them (no 'transformer.' / 'model.' prefix, the layout of
+    the original gpt2 upload): transformers loads them into the LM-head model, and so does convert.py."""
+    model = make()
+    model.save_pretrained(tmp_path / "hf")
+    _rewrite_weights(tmp_path / "hf", lambda t: {k.removeprefix(prefix): v for k, v in t.items()})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    want = _hf_logits(hf, _tokens())
+    _assert_logits_close(want, _hf_logits(model, _tokens()))
+    assert _to_megacoat(tmp_path / "hf", tmp_path / "mc") == 0
+    with torch.no_grad():
+        _assert_logits_close(megacoat.load_model(str(tmp_path / "mc"), dtype=torch.float32)(_tokens()), want)
+
+
+def test_output_layer_must_match_tie_word_embeddings(tmp_path, capsys, hf_llama):
+    """Untied without lm_head.weight (transformers: a random output layer) and tied with an lm_head.weight
+    other than the embedding (transformers: ignored) are refused; a tied copy equal to the embedding is not."""
+    root, _ = hf_llama
+    untied = _copy(root / "single", tmp_path / "untied_no_head")
+    _rewrite_weights(untied, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    assert _to_megacoat(untied, tmp_path / "o1") == 2
+    _one_line_error(capsys, "no lm_head.weight", "random", '"tie_word_embeddings": true')
+
+    tied = _copy(root / "single", tmp_path / "tied_other_head")
+    _edit_config(tied, tie_word_embeddings=True)
+    assert _to_megacoat(tied, tmp_path / "o2") == 2
+    _one_line_error(capsys, "different lm_head.weight", '"tie_word_embeddings": false')
+
+    copy = _copy(tied, tmp_path / "tied_copy")
+    _rewrite_weights(copy, lambda t: dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(copy).eval()
+    assert _to_megacoat(copy, tmp_path / "o3") == 0
+    with torch.no_grad():
+        _assert_logits_close(megacoat.load_model(str(tmp_path / "o3"), dtype=torch.float32)(_tokens()),
+                             _hf_logits(hf, _tokens()))

@@ -23,6 +23,7 @@ FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+OUTPUT_LAYER = "lm_head.weight"
 
 
 def family_of_hf(config: dict) -> str:
@@ -31,6 +32,32 @@ def family_of_hf(config: dict) -> str:
         raise CheckpointError(f"Hugging Face model_type {kind!r} is not supported; megacoat converts "
                               f"{sorted(FAMILIES)} (LlamaForCausalLM, GPT2LMHeadModel)")
     return kind
+
+
+def lm_head_model_weights(config: dict, raw: dict, family) -> dict:
+    """The weights as the family's LM-head model names them, its output layer as transformers builds it.
+
+    A base model's file (GPT2Model, LlamaModel: e.g. the original gpt2 upload) names its tensors without
+    the LM-head model's prefix. An untied config without lm_head.weight would get a random output layer
+    in transformers; a tied config with an lm_head.weight other than the embedding has the output layer
+    transformers ignores: both are refused rather than guessed. A tied lm_head.weight equal to the
+    embedding is a saved copy and is dropped."""
+    if raw and not any(k.startswith(family.BASE_PREFIX) for k in raw):
+        raw = {k if k == OUTPUT_LAYER else family.BASE_PREFIX + k: v for k, v in raw.items()}
+    tied = config.get("tie_word_embeddings", family.TIED_DEFAULT)
+    head, embedding = raw.get(OUTPUT_LAYER), raw.get(family.EMBEDDING)
+    if not tied and head is None:
+        raise CheckpointError(f"config.json has tie_word_embeddings {tied!r} but the weights have no {OUTPUT_LAYER} "
+                              "(transformers would start the output layer from random values); if the output layer "
+                              "is the input embedding, set \"tie_word_embeddings\": true in config.json")
+    if tied and head is not None:
+        if embedding is None or not torch.equal(head, embedding):
+            raise CheckpointError(f"config.json ties the output layer to the input embedding (tie_word_embeddings "
+                                  f"{tied!r}) but the weights hold a different {OUTPUT_LAYER}, which transformers "
+                                  "would ignore; if the model was trained with its own output layer, set "
+                                  "\"tie_word_embeddings\": false in config.json")
+        raw = {k: v for k, v in raw.items() if k != OUTPUT_LAYER}
+    return raw
 
 
 def family_of_megacoat(m) -> str:
@@ -50,7 +77,7 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     check_checkpoint_target(save_dir, 0, force)
     config = read_config(hf_dir)
     family = family_of_hf(config)
-    weights = HFWeights(read_weights(hf_dir), hf_dir)
+    weights = HFWeights(lm_head_model_weights(config, read_weights(hf_dir), FAMILIES[family]), hf_dir)
     m, vocab_size, tensors = FAMILIES[family].from_hf(config, weights)
     check_target_pp(pp, m.num_layers)
     unused = unused_weights(weights, IGNORED_SUFFIXES)

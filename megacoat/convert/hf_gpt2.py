@@ -13,6 +13,9 @@ from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
 from .hf_llama import fuse_qkv, split_qkv
 
+# The LM-head model's names: the base model's under BASE_PREFIX, plus lm_head.weight unless tied
+# (config.json's tie_word_embeddings, TIED_DEFAULT where it is absent, as transformers reads it).
+BASE_PREFIX, EMBEDDING, TIED_DEFAULT = "transformer.", "transformer.wte.weight", True
 GPT2_SHAPE = dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
                   add_bias_linear=True)
 
@@ -77,7 +80,7 @@ def from_hf(c: dict, t: Dict[str, torch.Tensor]) -> Tuple[ModelConfig, int, Dict
     if unsupported:
         raise CheckpointError("unsupported GPT-2 features: " + ", ".join(f"{k}={v!r}" for k, v in unsupported))
     h, heads = c["n_embd"], c["n_head"]
-    tied = c.get("tie_word_embeddings", True) or "lm_head.weight" not in t
+    tied = c.get("tie_word_embeddings", TIED_DEFAULT)
     m = ModelConfig(num_layers=c["n_layer"], hidden_size=h, ffn_hidden_size=c.get("n_inner") or 4 * h,
                     num_attention_heads=heads, kv_channels=h // heads, seq_length=c["n_positions"],
                     max_position_embeddings=c["n_positions"], norm_epsilon=c.get("layer_norm_epsilon", 1e-5),

@@ -13,6 +13,9 @@ import torch
 from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
 
+# The LM-head model's names: the base model's under BASE_PREFIX, plus lm_head.weight unless tied
+# (config.json's tie_word_embeddings, TIED_DEFAULT where it is absent, as transformers reads it).
+BASE_PREFIX, EMBEDDING, TIED_DEFAULT = "model.", "model.embed_tokens.weight", False
 LLAMA_SHAPE = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False)
 
 
@@ -83,7 +86,7 @@ def from_hf(c: dict, t: Dict[str, torch.Tensor]) -> Tuple[ModelConfig, int, Dict
         raise CheckpointError("unsupported Llama features: " + ", ".join(f"{k}={v!r}" for k, v in unsupported))
     heads, groups = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    tied = c.get("tie_word_embeddings", False) or "lm_head.weight" not in t
+    tied = c.get("tie_word_embeddings", TIED_DEFAULT)
     max_pos = c.get("max_position_embeddings", 2048)
     m = ModelConfig(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
                     num_attention_heads=heads, group_query_attention=groups != heads,
