@@ -200,3 +200,18 @@ def test_output_layer_must_match_tie_word_embeddings(tmp_path, capsys, hf_llama)
     with torch.no_grad():
         _assert_logits_close(megacoat.load_model(str(tmp_path / "o3"), dtype=torch.float32)(_tokens()),
                              _hf_logits(hf, _tokens()))
+
+
+def test_target_tp_must_split_heads_groups_and_ffn(tmp_path, capsys, hf_llama):
+    """A target TP is the TP the saved flags name: the heads (4), query groups (2) and FFN size (96) of
+    the model must split evenly over it, as a run at that TP needs."""
+    root, _ = hf_llama
+    for tp in ("3", "4"):
+        assert _to_megacoat(root / "single", tmp_path / f"tp{tp}", "--target-tensor-parallel-size", tp) == 2
+        _one_line_error(capsys, f"--target-tensor-parallel-size {tp} does not divide", "query groups 2", "[1, 2]")
+    assert _to_megacoat(root / "single", tmp_path / "mc") == 0
+    capsys.readouterr()
+    for fmt in ("megacoat", "megatron"):
+        assert convert("--load-format", "megacoat", "--load-dir", str(tmp_path / "mc"), "--save-format", fmt,
+                       "--save-dir", str(tmp_path / f"to_{fmt}"), "--target-tensor-parallel-size", "4") == 2
+        _one_line_error(capsys, "--target-tensor-parallel-size 4 does not divide", "choose one of [1, 2]")

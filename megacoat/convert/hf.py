@@ -17,7 +17,7 @@ from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_mode
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
 from .hf_files import HFWeights, read_config, read_weights, unused_weights
-from .target import check_checkpoint_target, check_hf_target, check_target_pp
+from .target import check_checkpoint_target, check_hf_target, check_target_pp, check_target_tp
 
 FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
@@ -80,6 +80,7 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     weights = HFWeights(lm_head_model_weights(config, read_weights(hf_dir), FAMILIES[family]), hf_dir)
     m, vocab_size, tensors = FAMILIES[family].from_hf(config, weights)
     check_target_pp(pp, m.num_layers)
+    check_target_tp(tp, m)
     unused = unused_weights(weights, IGNORED_SUFFIXES)
     if unused:
         raise CheckpointError(f"the Hugging Face weights hold tensors the {family} mapping does not understand "

@@ -30,7 +30,7 @@ from .megatron_dist import is_dist_format, read_dist_checkpoint
 from .megatron_model import EXTRA_STATE, args_from_model_config, megacoat_to_megatron as to_megatron_names, \
     megatron_to_megacoat as to_megacoat_names, model_config_from_args, padded_vocab
 from .megatron_torch import is_torch_format, read_torch_checkpoint, resolve_iteration_dir, write_torch_checkpoint
-from .target import check_checkpoint_target
+from .target import check_checkpoint_target, check_target_tp
 
 # Megatron tokenizer types megacoat builds itself (same names, same semantics).
 SHARED_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -124,6 +124,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     common, full, fmt, spec = read_megatron(load_dir)
     args = common["args"]
     m = model_config_from_args(args, full)
+    check_target_tp(tp, m)
     tok = _tokenizer_from(tokenizer, args, log, resolve_iteration_dir(load_dir))
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab = true_vocab_size or getattr(args, "true_vocab_size", None) or (tok.vocab_size if tok else None)
@@ -203,9 +204,7 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
             (DEFAULT_SPEC, "Megatron's default; --megatron-transformer-impl local for the local spec")
     else:
         why = "asked for"
-    if m.num_query_groups % tp or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
-        raise CheckpointError(f"--target-tensor-parallel-size {tp} must divide the heads ({m.num_attention_heads}), "
-                              f"query groups ({m.num_query_groups}) and ffn size ({m.ffn_hidden_size})")
+    check_target_tp(tp, m)
     dtype = dtype or next(iter(tensors.values())).dtype
     padded = padded_vocab(vocab, m, tp)
     full = {k: v.to(dtype) for k, v in to_megatron_names(m, padded, tensors).items()}

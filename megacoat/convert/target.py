@@ -86,3 +86,18 @@ def check_target_pp(pp: int, num_layers: int) -> None:
     if num_layers % pp:
         raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide the model's {num_layers} layers "
                               "(uneven splits: load with --decoder-first/last-pipeline-num-layers instead)")
+
+
+def check_target_tp(tp: int, m) -> None:
+    """The files are split the way a run at TP=`tp` splits the weights, and the saved flags say TP=`tp`:
+    the heads, query groups and FFN size must split evenly, as a training run at that TP requires."""
+    if tp < 1:
+        raise CheckpointError("--target-tensor-parallel-size must be >= 1")
+    bad = [f"{what} {n}" for what, n in (("attention heads", m.num_attention_heads),
+                                          ("query groups", m.num_query_groups), ("FFN size", m.ffn_hidden_size))
+           if n % tp]
+    if bad:
+        fits = [d for d in range(1, m.num_query_groups + 1)
+                if not (m.num_attention_heads % d or m.num_query_groups % d or m.ffn_hidden_size % d)]
+        raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the model's {', '.join(bad)}; "
+                              f"choose one of {fits}")
