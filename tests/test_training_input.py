@@ -7,6 +7,10 @@ import pytest
 from test_cli import TINY, run_cli
 
 BASE = TINY + ["--fp32", "--num-workers", "0", "--global-batch-size", "8"]
+_MOCK = TINY.index("--mock-data")
+assert TINY[_MOCK + 1:_MOCK + 3] == ["--vocab-size", "301"]
+REAL = TINY[:_MOCK] + TINY[_MOCK + 3:] + ["--fp32", "--num-workers", "0", "--global-batch-size", "8",
+                                          "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
 def _records(path):
@@ -24,3 +28,62 @@ def test_resume_with_a_smaller_global_batch_reads_on_to_its_last_step(tmp_path):
                         "--log-json", str(log)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert [x["consumed_samples"] for x in _records(log)] == [32 + 4 * k for k in range(1, 7)]
+
+
+# ------------------------------------------------------------------------------------------------ data flags
+def _data_cfg(tmp_path, *flags):
+    from megacoat.config import parse_args, validate_config
+
+    cfg = parse_args(["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+                      "--num-workers", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", *flags])
+    validate_config(cfg, 1)
+    return cfg
+
+
+def _build(cfg):
+    from megacoat.data import build_datasets, build_tokenizer
+
+    return build_datasets(cfg, build_tokenizer(cfg.data))
+
+
+@pytest.mark.parametrize("under", ["file", "under_file"])
+def test_data_cache_path_that_cannot_be_a_directory_is_named(tmp_path, under):
+    """--data-cache-path naming a file, or a path under one, ended in a NotADirectoryError traceback."""
+    from megacoat.data import DataConfigError
+    from test_data_iterators import null_data
+
+    (tmp_path / "notes.txt").write_text("x")
+    cache = tmp_path / "notes.txt" if under == "file" else tmp_path / "notes.txt" / "cache"
+    cfg = _data_cfg(tmp_path, "--data-path", null_data(tmp_path, "a"), "--data-cache-path", str(cache))
+    with pytest.raises(DataConfigError, match=r"--data-cache-path .*notes.txt.*give --data-cache-path a writable"):
+        _build(cfg)
+
+
+def test_read_only_data_cache_without_the_indices_is_named(tmp_path, monkeypatch):
+    """A cache directory that exists but cannot be written (a shared read-only cache) is fine while it holds the
+    indices; lacking them, the PermissionError of the index build is reported naming --data-cache-path."""
+    import megacoat.data.gpt_dataset as gpt_dataset
+    from megacoat.data import DataConfigError
+    from test_data_iterators import null_data
+
+    cfg = _data_cfg(tmp_path, "--data-path", null_data(tmp_path, "a"), "--data-cache-path", str(tmp_path / "c"))
+    _build(cfg)  # the indices are cached: read back below without writing
+
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(gpt_dataset, "exclusive_lock", read_only)
+    _build(cfg)
+    cfg.train.seed += 1  # other indices: they would have to be written
+    with pytest.raises(DataConfigError, match=r"--data-cache-path .*c: cannot write .*Permission denied"):
+        _build(cfg)
+
+
+@pytest.mark.slow
+def test_cli_unwritable_data_cache_is_one_line(tmp_path):
+    from test_data_iterators import null_data
+
+    (tmp_path / "f").write_text("x")
+    r = run_cli(REAL + ["--train-iters", "2", "--data-path", null_data(tmp_path, "a"), "--data-cache-path", str(tmp_path / "f" / "c")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("pretrain_gpt.py: error: --data-cache-path") == 1

@@ -12,6 +12,7 @@ See megacoat/data/README.md for the modules and the exact semantics.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional
 
@@ -19,7 +20,8 @@ import numpy as np
 
 from megacoat.config import global_batch_size_at
 from megacoat.data.dataset_builder import (DataConfigError, build_blend_dataset, build_mock_datasets,
-                                           build_split_datasets, index_cache_dir, parse_blend, samples_per_split)
+                                           build_split_datasets, cache_error, cache_root, index_cache_dir,
+                                           parse_blend, samples_per_split)
 from megacoat.data.default_corpus import prepare_default_corpus
 from megacoat.data.sampler import GlobalOrderBatchSampler
 from megacoat.data.tokenizer import (GPTSentencePieceTokenizer, NullTokenizer, TokenizerError,
@@ -34,6 +36,17 @@ log = logging.getLogger("megacoat.data")
 
 def _uses_default_corpus(data_cfg) -> bool:
     return not (data_cfg.mock_data or data_cfg.data_path or data_cfg.train_data_path)
+
+
+def _default_corpus(data_cache_path: Optional[str]):
+    """The default corpus under --data-cache-path; a cache that cannot be written is named with the flag."""
+    root = cache_root(data_cache_path)
+    try:
+        return prepare_default_corpus(root, log=log.info)
+    except OSError as e:
+        if e.filename and os.path.abspath(str(e.filename)).startswith(root + os.sep):
+            raise cache_error(e, data_cache_path) from None
+        raise
 
 
 def build_tokenizer(data_cfg):
@@ -51,7 +64,7 @@ def build_tokenizer(data_cfg):
         if not _uses_default_corpus(data_cfg):
             raise TokenizerError("--data-path/--train-data-path need --tokenizer-type (and --tokenizer-model) "
                                  "naming the tokenizer the data was preprocessed with")
-        corpus = prepare_default_corpus(data_cfg.data_cache_path, log=log.info)
+        corpus = _default_corpus(data_cfg.data_cache_path)
         return GPTSentencePieceTokenizer(corpus.tokenizer_model)
     return build_tokenizer_by_type(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_size,
                                    data_cfg.vocab_file, data_cfg.merge_file)
@@ -80,9 +93,9 @@ def _build_datasets(cfg, tokenizer, train_samples: Optional[int]):
     sizes = samples_per_split(t.train_iters, t.eval_interval, t.eval_iters, t.global_batch_size)
     if train_samples is not None:
         sizes[0] = max(sizes[0], train_samples)
-    cache = index_cache_dir(d.data_cache_path)
     if d.mock_data:
         return build_mock_datasets(tokenizer.vocab_size, sizes, seq, seed)
+    cache = index_cache_dir(d.data_cache_path)
     if d.train_data_path or d.valid_data_path or d.test_data_path:
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
         blends = [parse_blend(p, f) for p, f in zip((d.train_data_path, d.valid_data_path, d.test_data_path), flags)]
@@ -91,7 +104,7 @@ def _build_datasets(cfg, tokenizer, train_samples: Optional[int]):
     if d.data_path:
         blend = parse_blend(d.data_path)
     else:
-        corpus = prepare_default_corpus(d.data_cache_path, log=log.info)
+        corpus = _default_corpus(d.data_cache_path)
         model = getattr(tokenizer, "model_file", None)
         if model != corpus.tokenizer_model:
             raise DataConfigError("the default corpus is tokenized with its own SentencePiece model; drop "

@@ -110,6 +110,10 @@ def _gpt(indexed: IndexedDataset, begin: int, end: int, num_samples: int, split:
         return GPTDataset(indexed, documents, seq_length, num_samples, seed, split, cache_dir, log=log.info)
     except EmptySplitError as e:  # documents, but (almost) no tokens: e.g. every input text was empty
         raise DataConfigError(f"{what}: {e}") from None
+    except OSError as e:  # the index files could not be written (a read-only cache that lacks them)
+        if e.filename and os.path.abspath(str(e.filename)).startswith(cache_dir + os.sep):
+            raise cache_error(e, os.path.dirname(cache_dir)) from None
+        raise
 
 
 def _why_empty(prefix: str, num_samples: int, in_split: int, in_all: int) -> str:
@@ -189,6 +193,30 @@ def build_mock_datasets(vocab_size: int, sizes: Sequence[int], seq_length: int, 
     return [MockGPTDataset(vocab_size, seq_length, n, seed + s) if n else None for s, n in enumerate(sizes)]
 
 
+def cache_root(data_cache_path: Optional[str]) -> str:
+    """The --data-cache-path directory (default ~/.cache/megacoat), created if missing."""
+    root = os.path.abspath(os.path.expanduser(data_cache_path or os.path.join("~", ".cache", "megacoat")))
+    return _make_cache_dir(root, data_cache_path)
+
+
 def index_cache_dir(data_cache_path: Optional[str]) -> str:
-    base = os.path.expanduser(data_cache_path or os.path.join("~", ".cache", "megacoat"))
-    return os.path.join(os.path.abspath(base), "index_cache")
+    """Where the GPT datasets' index files are cached (created if missing)."""
+    return _make_cache_dir(os.path.join(cache_root(data_cache_path), "index_cache"), data_cache_path)
+
+
+def _make_cache_dir(path: str, data_cache_path: Optional[str]) -> str:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError as e:  # a file of that name
+        raise cache_error(OSError(e.errno, "a file, not a directory", path), data_cache_path) from None
+    except OSError as e:
+        raise cache_error(e, data_cache_path) from None
+    return path
+
+
+def cache_error(e: OSError, data_cache_path: Optional[str]) -> DataConfigError:
+    """A cache directory that cannot be created or written, named with the flag that sets it."""
+    flag = f"--data-cache-path {data_cache_path}" if data_cache_path else "--data-cache-path (default ~/.cache/megacoat)"
+    where = f"{e.filename}: " if e.filename else ""
+    return DataConfigError(f"{flag}: cannot write the data caches there ({where}{e.strerror or e}); give "
+                           "--data-cache-path a writable directory")
