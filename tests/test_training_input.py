@@ -87,3 +87,35 @@ def test_cli_unwritable_data_cache_is_one_line(tmp_path):
     r = run_cli(REAL + ["--train-iters", "2", "--data-path", null_data(tmp_path, "a"), "--data-cache-path", str(tmp_path / "f" / "c")])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.count("pretrain_gpt.py: error: --data-cache-path") == 1
+
+
+def test_blend_weight_zero_leaves_the_prefix_out(tmp_path):
+    """Megatron's blend never draws from a prefix weighted 0; it was refused as 'no train documents ... give this
+    split a larger share of --split', a fix that does not apply."""
+    from test_data_iterators import null_data
+
+    a, b = null_data(tmp_path, "a", seed=1), null_data(tmp_path, "b", seed=2)
+    cache = str(tmp_path / "cache")
+    zero = _build(_data_cfg(tmp_path, "--data-path", "0", a, "1", b, "--data-cache-path", cache))
+    only_b = _build(_data_cfg(tmp_path, "--data-path", "1", b, "--data-cache-path", cache))
+    assert len(zero.train) == len(only_b.train)
+    assert all((zero.train[i] == only_b.train[i]).all() for i in range(len(zero.train)))
+
+
+@pytest.mark.parametrize("words,message", [
+    (["nan", "A", "1", "B"], "finite and non-negative"),
+    (["inf", "A", "1", "B"], "finite and non-negative"),
+    (["-1", "A", "2", "B"], "finite and non-negative"),
+    (["0.3", "A", "0.7", "A"], r"A is named twice; give it once with the weights summed \(1 A\)"),
+    (["0.2", "A", "0.5", "B", "0.3", "./A"], r"./A is named twice; give it once with the weights summed \(0.5 ./A\)"),
+    (["A", "B", "A"], "A is named twice; name it once"),
+])
+def test_bad_blends_are_refused_naming_the_fix(words, message, tmp_path, monkeypatch):
+    """A NaN/inf weight ended in 'cannot convert float NaN to integer' (traceback); a prefix named twice blended two
+    identically shuffled copies of one dataset (each sample drawn twice)."""
+    from megacoat.data import DataConfigError
+    from megacoat.data.dataset_builder import parse_blend
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataConfigError, match=message):
+        parse_blend(words)

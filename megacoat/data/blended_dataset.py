@@ -22,8 +22,8 @@ def component_sizes(size: int, weights: Sequence[float]) -> List[int]:
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
-    if len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
+    if len(w) == 0 or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"blend weights must be finite and non-negative with a positive sum, got {list(weights)}")
     return w / w.sum()
 
 

@@ -37,7 +37,9 @@ class Blend:
 
 
 def parse_blend(tokens: Sequence[str], flag: str = "--data-path") -> Optional[Blend]:
-    """'A' | 'A B' (unweighted: mixed in proportion to their tokens) | '0.3 A 0.7 B' (weighted)."""
+    """'A' | 'A B' (unweighted: mixed in proportion to their tokens) | '0.3 A 0.7 B' (weighted).
+    Weights are normalized (they need not sum to 1); a prefix of weight 0 is left out of the blend (Megatron's
+    blend never draws from it); a prefix named twice is refused."""
     words = [w for t in tokens for w in str(t).split()]
     if not words:
         return None
@@ -45,6 +47,7 @@ def parse_blend(tokens: Sequence[str], flag: str = "--data-path") -> Optional[Bl
         if any(_is_number(w) for w in words):
             raise DataConfigError(f"{flag} {' '.join(words)}: give either prefixes only, or pairs "
                                   f"'WEIGHT PREFIX ...' (e.g. {flag} 0.3 A 0.7 B)")
+        _refuse_repeated(words, None, flag)
         return Blend(tuple(words), None)
     if len(words) % 2:
         raise DataConfigError(f"{flag} {' '.join(words)}: expected 'PREFIX' or pairs 'WEIGHT PREFIX ...'")
@@ -60,7 +63,25 @@ def parse_blend(tokens: Sequence[str], flag: str = "--data-path") -> Optional[Bl
         normalize_weights(weights)
     except ValueError as e:
         raise DataConfigError(f"{flag}: {e}") from None
-    return Blend(tuple(prefixes), tuple(weights))
+    _refuse_repeated(prefixes, weights, flag)
+    unused = [p for w, p in zip(weights, prefixes) if w == 0]
+    if unused:
+        log.info(f"{flag}: {' '.join(unused)} weighted 0: left out of the blend")
+    kept = [(w, p) for w, p in zip(weights, prefixes) if w > 0]
+    return Blend(tuple(p for _, p in kept), tuple(w for w, _ in kept))
+
+
+def _refuse_repeated(prefixes: Sequence[str], weights: Optional[Sequence[float]], flag: str) -> None:
+    """The same prefix twice would be two identically shuffled copies of one dataset in the blend: each sample
+    drawn twice, not a larger share of fresh ones (a mistake, or a weight given the wrong way)."""
+    seen = {}
+    for k, p in enumerate(prefixes):
+        key = os.path.normpath(os.path.abspath(p))
+        if key in seen:
+            fix = (f"give it once with the weights summed ({weights[seen[key]] + weights[k]:g} {p})"
+                   if weights is not None else "name it once (weights 'W PREFIX ...' give it a larger share)")
+            raise DataConfigError(f"{flag}: {p} is named twice; {fix}")
+        seen[key] = k
 
 
 def _is_number(word: str) -> bool:
