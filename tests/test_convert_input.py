@@ -215,3 +215,90 @@ def test_target_tp_must_split_heads_groups_and_ffn(tmp_path, capsys, hf_llama):
         assert convert("--load-format", "megacoat", "--load-dir", str(tmp_path / "mc"), "--save-format", fmt,
                        "--save-dir", str(tmp_path / f"to_{fmt}"), "--target-tensor-parallel-size", "4") == 2
         _one_line_error(capsys, "--target-tensor-parallel-size 4 does not divide", "choose one of [1, 2]")
+
+
+def _to_hf(src, dst, *extra):
+    return convert("--load-format", "megacoat", "--load-dir", str(src), "--save-format", "hf", "--save-dir", str(dst),
+                   *extra)
+
+
+@pytest.fixture()
+def old_and_new(tmp_path, hf_llama):
+    """A megacoat checkpoint of the tiny Llama, and a directory holding another model (GPT-2, sharded,
+    with its generation settings and slow-tokenizer files) with that model's logits."""
+    root, _ = hf_llama
+    assert _to_megacoat(root / "single", tmp_path / "mc") == 0
+    old = gpt2()
+    out = tmp_path / "out"
+    old.save_pretrained(out, max_shard_size="100KB")
+    (out / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
+    (out / "merges.txt").write_text("#version: 0.2\n")
+    assert (out / "generation_config.json").exists()
+    return tmp_path / "mc", out, _hf_logits(old, _tokens())
+
+
+def test_forced_export_leaves_nothing_of_the_old_model(capsys, old_and_new):
+    """--force over another model: its generation_config.json (eos/bos of another vocabulary) and tokenizer
+    files would otherwise be read with the new weights."""
+    mc, out, _ = old_and_new
+    capsys.readouterr()
+    assert _to_hf(mc, out) == 2
+    _one_line_error(capsys, "already holds a Hugging Face model", "--force")
+    assert _to_hf(mc, out, "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert hf.generation_config.eos_token_id == json.loads((out / "config.json").read_text())["eos_token_id"]
+
+
+def test_interrupted_export_keeps_the_old_model_or_is_clearly_incomplete(tmp_path, capsys, monkeypatch, old_and_new):
+    """A kill while the weights are written leaves the old model whole; one while files move in leaves no
+    config.json (transformers refuses the directory); converting again completes it."""
+    import safetensors.torch
+    mc, out, old_logits = old_and_new
+    before = sorted(p.name for p in out.iterdir())
+    real_save = safetensors.torch.save_file
+
+    def killed_while_writing(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        _to_hf(mc, out, "--force")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == before
+    _assert_logits_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), _tokens()),
+                         old_logits)
+
+    real_replace, moved = os.replace, []
+
+    def killed_while_moving(src, dst):
+        if moved:
+            raise KeyboardInterrupt
+        moved.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_while_moving)
+    with pytest.raises(KeyboardInterrupt):
+        _to_hf(mc, out, "--force")
+    monkeypatch.undo()
+    assert not (out / "config.json").exists()
+    with pytest.raises((OSError, ValueError), match="config.json"):  # not a model
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert _to_hf(mc, out, "--force") == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        _assert_logits_close(_hf_logits(hf, _tokens()), megacoat.load_model(str(mc), dtype=torch.float32)(_tokens()))
+
+
+def test_save_dir_that_is_a_file_is_named(tmp_path, capsys, old_and_new):
+    mc, _, _ = old_and_new
+    capsys.readouterr()
+    (tmp_path / "a_file").write_text("x")
+    for fmt in ("hf", "megacoat"):
+        assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", fmt,
+                       "--save-dir", str(tmp_path / "a_file")) == 2
+        _one_line_error(capsys, "a_file is a file, not a directory")
+    assert (tmp_path / "a_file").read_text() == "x"

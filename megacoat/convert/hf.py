@@ -16,7 +16,7 @@ from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoi
 from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
-from .hf_files import HFWeights, read_config, read_weights, unused_weights
+from .hf_files import HFWeights, read_config, read_weights, staged_hf_dir, unused_weights
 from .target import check_checkpoint_target, check_hf_target, check_target_pp, check_target_tp
 
 FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
@@ -111,21 +111,17 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
 def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False,
                    log=print) -> str:
     """A Hugging Face directory (config.json, model.safetensors, tokenizer files) of a megacoat checkpoint."""
-    stale = check_hf_target(save_dir, force)
+    replaced = check_hf_target(save_dir, force)
     m, vocab_size, tensors, meta = read_model_tensors(checkpoint_dir)
     family = family_of_megacoat(m)
     dtype = dtype or next(iter(tensors.values())).dtype
     config, hf_tensors = FAMILIES[family].to_hf(m, vocab_size, tensors, dtype)
     from safetensors.torch import save_file
-    os.makedirs(save_dir, exist_ok=True)
-    if stale or os.path.isfile(os.path.join(save_dir, "config.json")):  # forced over an older model
-        stale += [f for f in TOKENIZER_FILES + ("tokenizer.model",) if os.path.isfile(os.path.join(save_dir, f))]
-    for name in stale:  # an old shard, index or tokenizer would be read instead of the new one
-        os.remove(os.path.join(save_dir, name))
-    save_file(hf_tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
-    config.update(_export_tokenizer(checkpoint_dir, meta, save_dir, m.max_position_embeddings, log))
-    with open(os.path.join(save_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    with staged_hf_dir(save_dir, replaced) as stage:
+        save_file(hf_tensors, os.path.join(stage, "model.safetensors"), metadata={"format": "pt"})
+        config.update(_export_tokenizer(checkpoint_dir, meta, stage, m.max_position_embeddings, log))
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
     return save_dir
 
 

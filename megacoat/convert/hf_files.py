@@ -1,5 +1,6 @@
-"""Reading a Hugging Face model directory: config.json and the weights (safetensors, one file or
-sharded; pytorch_model.bin, one file or sharded, through torch's weights-only unpickler only).
+"""Hugging Face model directories: reading config.json and the weights (safetensors, one file or
+sharded; pytorch_model.bin, one file or sharded, through torch's weights-only unpickler only), and
+writing a model so that an interrupted write never looks like a model (`staged_hf_dir`).
 
 A directory that is not what it should be (no config, a config that is not a JSON object, a
 missing or damaged shard, a pickle that holds code) is a CheckpointError naming the file and
@@ -8,18 +9,21 @@ the mapping asks for them (`HFConfig`, `HFWeights`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from typing import Dict, List, Tuple
+import shutil
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
-from ..checkpoint.format import CheckpointError
+from ..checkpoint.format import CheckpointError, fsync_dir
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_FILE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+STAGE_DIR = ".megacoat-export.partial"  # inside the target: same filesystem, so files move in by rename
 
 
 class HFConfig(dict):
@@ -150,3 +154,50 @@ def _first_line(e: BaseException) -> str:
 
 def unused_weights(weights: HFWeights, ignored_suffixes: Tuple[str, ...]) -> List[str]:
     return sorted(k for k in set(weights) - weights.used if not k.endswith(ignored_suffixes))
+
+
+@contextlib.contextmanager
+def staged_hf_dir(save_dir: str, replaced: List[str]) -> Iterator[str]:
+    """Yields a directory to write a model's files into; on success they move into `save_dir`.
+
+    Until the new files are all written, `save_dir` is untouched (a forced replacement keeps the old
+    model whole). Then config.json, which makes a directory a model for transformers, goes first; the
+    `replaced` files of the old model go; the new files move in by rename; config.json comes last. An
+    interruption at any point leaves the old model, or a directory without config.json, which no
+    loader takes for a model (and a new conversion into it needs --force)."""
+    stage = os.path.join(save_dir, STAGE_DIR)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)  # what an interrupted export left
+        os.makedirs(stage)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {stage}: {e.strerror}; check that --save-dir {save_dir} is writable") \
+            from None
+    try:
+        try:
+            yield stage
+            written = sorted(os.listdir(stage))
+            for name in written:
+                _fsync_file(os.path.join(stage, name))
+        except OSError as e:
+            raise CheckpointError(f"writing the model into {stage} failed ({e.strerror}: {e.filename}); {save_dir} "
+                                  "is as it was: free space or fix permissions and convert again") from None
+        try:
+            for name in [CONFIG_FILE] + [n for n in replaced if n != CONFIG_FILE]:
+                if os.path.lexists(os.path.join(save_dir, name)):
+                    os.remove(os.path.join(save_dir, name))
+            fsync_dir(save_dir)
+            for name in [n for n in written if n != CONFIG_FILE] + [CONFIG_FILE]:
+                os.replace(os.path.join(stage, name), os.path.join(save_dir, name))
+            fsync_dir(save_dir)
+        except OSError as e:
+            raise CheckpointError(f"moving the model into {save_dir} failed ({e.strerror}: {e.filename}); it holds "
+                                  "no complete model (no config.json): fix permissions and convert again with "
+                                  "--force") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

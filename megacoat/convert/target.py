@@ -19,6 +19,11 @@ RELEASE_DIR = "release"  # Megatron's iteration-less checkpoint (tracker "releas
 HF_WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin"
                             r"|pytorch_model\.bin\.index\.json)$")
 HF_CONFIG_FILE = "config.json"
+# Files transformers reads beside the weights: left from a replaced model, they would pair its
+# generation settings or tokenizer with the new weights.
+HF_COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                      "chat_template.json")
 
 
 def checkpoint_entries(save_dir: str) -> List[str]:
@@ -61,16 +66,21 @@ def check_checkpoint_target(save_dir: str, iteration: Optional[int], force: bool
 
 
 def check_hf_target(save_dir: str, force: bool) -> List[str]:
-    """Refuse a directory that already holds a Hugging Face model unless `force`; returns its weight
-    files (forced: the caller removes them, so no stale shard shadows the new weights)."""
+    """Refuse a directory that already holds a Hugging Face model (its config, weights, tokenizer or
+    generation settings) unless `force`; returns those files (forced: the writer replaces them all, so
+    no stale shard shadows the new weights and no old tokenizer or generation setting goes with them)."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise CheckpointError(f"--save-dir {save_dir} is a file, not a directory; choose a directory")
     if not os.path.isdir(save_dir):
         return []
-    weights = sorted(n for n in os.listdir(save_dir) if HF_WEIGHT_FILE.match(n))
-    held = ([HF_CONFIG_FILE] if os.path.isfile(os.path.join(save_dir, HF_CONFIG_FILE)) else []) + weights
+    names = set(os.listdir(save_dir))
+    weights = sorted(n for n in names if HF_WEIGHT_FILE.match(n))
+    config = [HF_CONFIG_FILE] if HF_CONFIG_FILE in names else []
+    held = config + weights + [n for n in HF_COMPANION_FILES if n in names]
     if held and not force:
         raise CheckpointError(f"{save_dir} already holds a Hugging Face model ({_listing(held)}); choose a new "
                               "--save-dir, or pass --force to replace it")
-    return weights
+    return held
 
 
 def _listing(names: List[str], shown: int = 3) -> str:

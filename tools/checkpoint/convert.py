@@ -117,6 +117,8 @@ def main(argv=None) -> int:
                                         ("--megatron-transformer-impl", a.megatron_transformer_impl)) if v]
         if megatron_only and "megatron" not in (a.load_format, a.save_format):
             raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
+        if os.path.exists(a.save_dir) and not os.path.isdir(a.save_dir):
+            raise CheckpointError(f"--save-dir {a.save_dir} is a file, not a directory; choose a directory")
         # A training run's directory is written by one run at a time: a live run's lock refuses the conversion.
         lock = SaveDirLock(a.save_dir, "conversion") if a.save_format in ("megacoat", "megatron") else None
         with lock or contextlib.nullcontext():
