@@ -2,6 +2,7 @@
 import os
 import runpy
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,3 +27,34 @@ def test_generate_from_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out.split()
     assert out[:3] == ["5", "7", "9"] and len(out) >= 4  # NullTokenizer: ids as text
     assert GEN["main"](["--load", str(tmp_path / "missing"), "--prompt", "1"]) == 2
+
+
+BAD_FLAGS = [
+    (["--prompt", "5 7 400"], "token id 400, outside the model's vocabulary (ids 0..300)"),
+    (["--prompt", "-1"], "token id -1"),
+    (["--prompt", "def main("], "cannot be tokenized by the checkpoint's NullTokenizer"),
+    (["--temperature", "nan"], "--temperature nan"),
+    (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]"),
+    (["--top-k", "-2"], "--top-k -2"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
+    (["--device", "tpu"], "--device 'tpu' is not a device"),
+]
+if not torch.cuda.is_available():
+    BAD_FLAGS.append((["--device", "cuda"], "no CUDA device; use --device cpu"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from test_checkpoint_resume import train
+    save = str(tmp_path_factory.mktemp("gen") / "ckpt")
+    train(["--train-iters", "1", "--save", save])
+    return save
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_bad_flags_and_prompts_are_named(checkpoint, capsys, flags, message):
+    """A prompt the tokenizer cannot read or the model has no embedding for, sampling settings that are
+    not numbers, a device that is not there: one line, not a traceback from inside the model."""
+    assert GEN["main"](["--load", checkpoint, "--max-new-tokens", "2"] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

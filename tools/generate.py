@@ -8,6 +8,7 @@
 No KV cache: each new token re-runs the (truncated) context; fine for a sanity check.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -46,6 +47,43 @@ def generate(model, ids, max_new_tokens, context, stop_id=None, **sampling):
     return ids
 
 
+def check_sampling_flags(a) -> None:
+    if a.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens} is negative; give the number of tokens to add")
+    if not math.isfinite(a.temperature):
+        raise ValueError(f"--temperature {a.temperature} is not a number; give one > 0 (or --greedy)")
+    if not 0 < a.top_p <= 1:
+        raise ValueError(f"--top-p {a.top_p} is outside (0, 1]; 1 keeps every token (use --greedy for the likeliest)")
+    if a.top_k < 0:
+        raise ValueError(f"--top-k {a.top_k} is negative; 0 keeps every token")
+
+
+def check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device torch knows; use cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices; use cuda:0 .. "
+                         f"cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def tokenize_prompt(tokenizer, text: str, vocab_size: int):
+    """The prompt's ids (the end-of-document id for an empty prompt), each one the model has an embedding for."""
+    try:
+        ids = tokenizer.tokenize(text) if text else []
+    except ValueError as e:  # NullTokenizer: text that is not ids
+        raise ValueError(f"--prompt {text!r} cannot be tokenized by the checkpoint's {type(tokenizer).__name__} "
+                         f"({e}); a NullTokenizer takes token ids separated by spaces") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"--prompt holds token id {bad[0]}, outside the model's vocabulary (ids 0..{vocab_size - 1})")
+    return ids or [tokenizer.eod]  # no prompt: start from a document boundary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="megacoat --save directory or one iter_* directory")
@@ -69,8 +107,10 @@ def main(argv=None) -> int:
     from megacoat.checkpoint import CheckpointError
     from megacoat.checkpoint.model_io import load_tokenizer
     try:
+        check_sampling_flags(a)
+        device = check_device(a.device)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(a.dtype)
-        model = megacoat.load_model(a.load, device=a.device, dtype=dtype)
+        model = megacoat.load_model(a.load, device=device, dtype=dtype)
         from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
         if a.tokenizer_type:
             tokenizer = build_tokenizer_by_type(a.tokenizer_type, a.tokenizer_model, a.vocab_size, a.vocab_file,
@@ -83,12 +123,10 @@ def main(argv=None) -> int:
             except ValueError as e:
                 raise ValueError(f"{e}. The checkpoint's tokenizer does not fit its model: pass the --tokenizer-* "
                                  "flags the data was made with") from None
+        prompt = tokenize_prompt(tokenizer, a.prompt, model.vocab_size)
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
-    prompt = tokenizer.tokenize(a.prompt) if a.prompt else []
-    if not prompt:
-        prompt = [tokenizer.eod]  # start from a document boundary
     g = torch.Generator().manual_seed(a.seed)
     ids = generate(model, prompt, a.max_new_tokens, model.m.max_position_embeddings, stop_id=tokenizer.eod,
                    temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, greedy=a.greedy, generator=g)
