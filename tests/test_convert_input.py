@@ -302,3 +302,22 @@ def test_save_dir_that_is_a_file_is_named(tmp_path, capsys, old_and_new):
                        "--save-dir", str(tmp_path / "a_file")) == 2
         _one_line_error(capsys, "a_file is a file, not a directory")
     assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_foreign_directories_given_as_megacoat_checkpoints_are_named(tmp_path, capsys, old_and_new):
+    """A Hugging Face model or a Megatron-LM checkpoint (its save directory, or one iteration's) given where
+    a megacoat checkpoint belongs: named, with the conversion that reads it (was 'the save was interrupted',
+    or a tracker naming a missing iteration)."""
+    from megacoat.checkpoint import CheckpointError
+    mc, hf_dir, _ = old_and_new
+    for carry in ([], ["--carry-iteration"]):
+        out = tmp_path / f"megatron{len(carry)}"
+        assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", "megatron",
+                       "--save-dir", str(out), *carry) == 0
+    capsys.readouterr()
+    for path, fmt in ((hf_dir, "hf"), (tmp_path / "megatron0", "megatron"), (tmp_path / "megatron1", "megatron"),
+                      (tmp_path / "megatron0" / "release", "megatron")):
+        assert _to_hf(path, tmp_path / "x") == 2
+        _one_line_error(capsys, f"--load-format {fmt} --load-dir {path}")
+        with pytest.raises(CheckpointError, match=f"--load-format {fmt}"):
+            megacoat.load_model(str(path))

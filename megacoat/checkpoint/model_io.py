@@ -15,8 +15,20 @@ from .checkpointer import load_model_weights
 from .collect import MODEL_KIND, Piece, dtype_name
 from .format import CheckpointError, resolve_checkpoint_dir
 from .layout import VOCAB_PARAMETERS, TensorLayout, layout_of_parameter
-from .reader import CheckpointReader
+from .reader import CheckpointReader, foreign_format_hint
 from .writer import RankSave, piece_records, plan_offsets, prepare_partial_dir, publish, rank_file_path, write_pieces
+
+
+def open_checkpoint(checkpoint_dir: str) -> CheckpointReader:
+    """A reader of a save directory's current checkpoint or of one iteration's directory; a Hugging Face
+    or Megatron-LM directory given instead is named as such, with the command that converts it."""
+    try:
+        return CheckpointReader(resolve_checkpoint_dir(checkpoint_dir))
+    except CheckpointError:
+        foreign = foreign_format_hint(checkpoint_dir)
+        if foreign:
+            raise CheckpointError(f"{checkpoint_dir} is {foreign}") from None
+        raise
 
 
 def model_config_of(reader: CheckpointReader) -> ModelConfig:
@@ -36,7 +48,7 @@ def build_model(m: ModelConfig, vocab_size: int, dtype: torch.dtype = torch.floa
 
 def load_full_model(checkpoint_dir: str, device: str = "cpu", dtype: Optional[torch.dtype] = None) -> GPTModel:
     """The checkpoint's model in one process, in eval mode (dtype: the saved weights' by default)."""
-    reader = CheckpointReader(resolve_checkpoint_dir(checkpoint_dir))
+    reader = open_checkpoint(checkpoint_dir)
     try:
         m = model_config_of(reader)
         if dtype is None:
@@ -50,7 +62,7 @@ def load_full_model(checkpoint_dir: str, device: str = "cpu", dtype: Optional[to
 
 def read_model_tensors(checkpoint_dir: str):
     """(ModelConfig, vocab size, {global name: canonical tensor}, checkpoint metadata)."""
-    reader = CheckpointReader(resolve_checkpoint_dir(checkpoint_dir))
+    reader = open_checkpoint(checkpoint_dir)
     try:
         tensors = {name: reader.canonical(MODEL_KIND, name) for name in reader.names()}
         return model_config_of(reader), reader.meta["vocab_size"], tensors, reader.meta
@@ -125,9 +137,10 @@ def load_tokenizer(checkpoint_dir: str):
     """The tokenizer saved with the checkpoint (its copy inside the checkpoint, else the saved flags)."""
     from ..data.tokenizer import NullTokenizer, build_tokenizer_by_type
 
-    path = resolve_checkpoint_dir(checkpoint_dir)
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(checkpoint_dir)
+    path, data_flags = reader.path, reader.config.get("data", {})
     info = (reader.meta.get("extra") or {}).get("tokenizer", {})
+    reader.close()  # only the metadata was needed
     if info.get("type") == "NullTokenizer":
         return NullTokenizer(info["vocab_size"] - 1)
     if info.get("file"):
@@ -138,4 +151,4 @@ def load_tokenizer(checkpoint_dir: str):
                                            merge_file=os.path.join(path, info["companion_files"][0]))
         return build_tokenizer_by_type(kind, os.path.dirname(file) if kind == "HuggingFaceTokenizer" else file)
     from ..data import build_tokenizer
-    return build_tokenizer(config_from_dict({"data": reader.config.get("data", {})}).data)
+    return build_tokenizer(config_from_dict({"data": data_flags}).data)

@@ -25,6 +25,9 @@ class CheckpointReader:
         self.path = path
         meta_path = os.path.join(path, METADATA_FILE)
         if not os.path.exists(meta_path):
+            foreign = foreign_format_hint(path)
+            if foreign:
+                raise CheckpointError(f"{path} is {foreign}")
             raise CheckpointError(f"{path} is not a complete checkpoint ({METADATA_FILE} missing: the save was "
                                   "interrupted); load the previous iteration or fix the tracker")
         try:
@@ -186,6 +189,27 @@ class CheckpointReader:
             if os.path.getsize(path) < size:
                 raise CheckpointError(f"shard {path} is truncated ({os.path.getsize(path)} < {size} bytes); "
                                       "the checkpoint is corrupted")
+
+
+_CONVERT = "tools/checkpoint/convert.py"
+
+
+def foreign_format_hint(path: str) -> Optional[str]:
+    """What `path` is when it is not a megacoat checkpoint but a format the converter reads (a Hugging
+    Face model, a Megatron-LM checkpoint or one of its iterations), with the command that converts it."""
+    if not os.path.isdir(path):
+        return None
+    names = set(os.listdir(path))
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin", ".safetensors.index.json")) for n in names):
+        return (f"a Hugging Face model directory, not a megacoat checkpoint: convert it first with {_CONVERT} "
+                f"--load-format hf --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
+    iteration_dirs = [os.path.join(path, n) for n in names if n == "release" or n.startswith("iter_")]
+    for d in [path] + [d for d in iteration_dirs if os.path.isdir(d)]:
+        inside = os.listdir(d)
+        if ".metadata" in inside or any(n.startswith("mp_rank_") for n in inside):
+            return (f"a Megatron-LM checkpoint, not a megacoat one: convert it first with {_CONVERT} "
+                    f"--load-format megatron --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
+    return None
 
 
 def _rank_of(file_name: str) -> Optional[int]:

@@ -22,9 +22,8 @@ import torch
 
 from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
 from ..checkpoint.collect import MODEL_KIND
-from ..checkpoint.format import CheckpointError, resolve_checkpoint_dir
-from ..checkpoint.model_io import model_config_of, write_model_checkpoint
-from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.format import CheckpointError
+from ..checkpoint.model_io import model_config_of, open_checkpoint, write_model_checkpoint
 from ..config import MegacoatConfig
 from .megatron_dist import is_dist_format, read_dist_checkpoint
 from .megatron_model import EXTRA_STATE, args_from_model_config, megacoat_to_megatron as to_megatron_names, \
@@ -188,8 +187,8 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     """`spec` (local or transformer_engine): the layer spec whose parameter names Megatron gets; None
     keeps the one the checkpoint was imported from Megatron with, else Megatron's default."""
     check_checkpoint_target(save_dir, None, force)
-    ckpt_dir = resolve_checkpoint_dir(load_dir)
-    reader = CheckpointReader(ckpt_dir)
+    reader = open_checkpoint(load_dir)
+    ckpt_dir = reader.path
     try:
         m = model_config_of(reader)
         vocab = reader.meta["vocab_size"]
