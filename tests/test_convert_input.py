@@ -321,3 +321,25 @@ def test_foreign_directories_given_as_megacoat_checkpoints_are_named(tmp_path, c
         _one_line_error(capsys, f"--load-format {fmt} --load-dir {path}")
         with pytest.raises(CheckpointError, match=f"--load-format {fmt}"):
             megacoat.load_model(str(path))
+
+
+def _snapshot(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_save_dir_equal_to_load_dir_or_inside_a_checkpoint_is_refused(tmp_path, capsys, old_and_new):
+    """Writing into the input (same path spelled another way too; --force and --dtype would replace a
+    checkpoint by a cast copy of itself) or an HF export inside a checkpoint's iteration directory
+    (deleted with it) is refused, and the input is left as it was."""
+    mc, hf_dir, _ = old_and_new
+    capsys.readouterr()
+    before_mc, before_hf = _snapshot(mc), _snapshot(hf_dir)
+    cases = [("hf", hf_dir, "megacoat", str(hf_dir) + "/", [], "is the --load-dir"),
+             ("megacoat", mc, "megacoat", str(mc / "."), ["--force", "--dtype", "bf16"], "is the --load-dir"),
+             ("megacoat", mc, "hf", str(mc), [], "is the --load-dir"),
+             ("megacoat", mc, "hf", str(mc / "iter_0000000"), [], "iteration directory")]
+    for load_fmt, load, save_fmt, save, extra, words in cases:
+        assert convert("--load-format", load_fmt, "--load-dir", str(load), "--save-format", save_fmt,
+                       "--save-dir", save, *extra) == 2
+        _one_line_error(capsys, words)
+    assert _snapshot(mc) == before_mc and _snapshot(hf_dir) == before_hf

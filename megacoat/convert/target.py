@@ -71,6 +71,9 @@ def check_hf_target(save_dir: str, force: bool) -> List[str]:
     no stale shard shadows the new weights and no old tokenizer or generation setting goes with them)."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise CheckpointError(f"--save-dir {save_dir} is a file, not a directory; choose a directory")
+    if os.path.isfile(os.path.join(save_dir, METADATA_FILE)):  # deleted with the checkpoint, e.g. by retention
+        raise CheckpointError(f"{save_dir} is one megacoat checkpoint's iteration directory; export the model to "
+                              "a directory of its own")
     if not os.path.isdir(save_dir):
         return []
     names = set(os.listdir(save_dir))

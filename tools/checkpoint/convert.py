@@ -119,6 +119,9 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
         if os.path.exists(a.save_dir) and not os.path.isdir(a.save_dir):
             raise CheckpointError(f"--save-dir {a.save_dir} is a file, not a directory; choose a directory")
+        if os.path.realpath(a.save_dir) == os.path.realpath(a.load_dir):
+            raise CheckpointError(f"--save-dir {a.save_dir} is the --load-dir: the conversion would write over (or "
+                                  "mix its files with) its input; choose a new --save-dir")
         # A training run's directory is written by one run at a time: a live run's lock refuses the conversion.
         lock = SaveDirLock(a.save_dir, "conversion") if a.save_format in ("megacoat", "megatron") else None
         with lock or contextlib.nullcontext():
