@@ -343,3 +343,13 @@ def test_save_dir_equal_to_load_dir_or_inside_a_checkpoint_is_refused(tmp_path, 
                        "--save-dir", save, *extra) == 2
         _one_line_error(capsys, words)
     assert _snapshot(mc) == before_mc and _snapshot(hf_dir) == before_hf
+
+
+def test_other_heads_of_a_supported_model_type_are_refused(tmp_path, capsys):
+    """model_type llama, but a sequence classifier: its score head is not an output layer over the vocabulary."""
+    cfg = transformers.LlamaConfig(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "cls")
+    capsys.readouterr()
+    assert _to_megacoat(tmp_path / "cls", tmp_path / "out") == 2
+    _one_line_error(capsys, "['LlamaForSequenceClassification']", "LlamaForCausalLM")

@@ -31,6 +31,10 @@ def family_of_hf(config: dict) -> str:
     if kind not in FAMILIES:
         raise CheckpointError(f"Hugging Face model_type {kind!r} is not supported; megacoat converts "
                               f"{sorted(FAMILIES)} (LlamaForCausalLM, GPT2LMHeadModel)")
+    heads = [a for a in config.get("architectures") or [] if a not in FAMILIES[kind].ARCHITECTURES]
+    if heads:  # e.g. LlamaForSequenceClassification: its score head is no language-model output layer
+        raise CheckpointError(f"config.json's architectures {heads} is not a language model megacoat converts; "
+                              f"it converts {', '.join(FAMILIES[kind].ARCHITECTURES)}")
     return kind
 
 

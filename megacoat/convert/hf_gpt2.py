@@ -13,6 +13,7 @@ from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
 from .hf_llama import fuse_qkv, split_qkv
 
+ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")  # config.json's architectures it converts
 # The LM-head model's names: the base model's under BASE_PREFIX, plus lm_head.weight unless tied
 # (config.json's tie_word_embeddings, TIED_DEFAULT where it is absent, as transformers reads it).
 BASE_PREFIX, EMBEDDING, TIED_DEFAULT = "transformer.", "transformer.wte.weight", True

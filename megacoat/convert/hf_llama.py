@@ -13,6 +13,7 @@ import torch
 from ..checkpoint.format import CheckpointError
 from ..config import ModelConfig
 
+ARCHITECTURES = ("LlamaForCausalLM", "LlamaModel")  # config.json's architectures it converts
 # The LM-head model's names: the base model's under BASE_PREFIX, plus lm_head.weight unless tied
 # (config.json's tie_word_embeddings, TIED_DEFAULT where it is absent, as transformers reads it).
 BASE_PREFIX, EMBEDDING, TIED_DEFAULT = "model.", "model.embed_tokens.weight", False
