@@ -24,6 +24,13 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix by changing flags."""
 
 
+# Defaults of flags whose absence matters: a schedule counted in samples refuses iteration flags, and
+# --split does not apply to per-split data paths, so these default to None and resolve in validate_config.
+DEFAULT_SPLIT = "969,30,1"
+DEFAULT_TRAIN_ITERS = 200
+DEFAULT_WARMUP_ITERS = 20
+
+
 def _f(default: Any, help: str, **meta: Any) -> Any:
     """Dataclass field with argparse metadata."""
     meta["help"] = help
@@ -95,7 +102,9 @@ class OptimizerConfig:
     optimizer: str = _f("adam", "Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
     lr: float = _f(1e-3, "Peak learning rate (> 0).")
     min_lr: float = _f(1e-4, "Minimum learning rate at the end of decay.")
-    lr_warmup_iters: int = _f(20, "Linear warmup iterations.")
+    lr_warmup_iters: Optional[int] = _f(
+        None, f"Linear warmup iterations. Default: {DEFAULT_WARMUP_ITERS}; 0 with --lr-warmup-fraction (which replaces "
+              "it) or --train-samples (warm up with --lr-warmup-samples then).")
     lr_decay_style: str = _f("cosine", "Decay after warmup.", choices=["cosine", "linear", "constant"])
     lr_decay_iters: Optional[int] = _f(None, "Iterations over which to decay. Default: --train-iters.")
     lr_warmup_samples: Optional[int] = _f(None, "Linear warmup over this many samples (with --train-samples; replaces "
@@ -182,8 +191,10 @@ class CommConfig:
 @dataclass
 class DataConfig:
     data_path: list = _f([], "Megatron data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'. Empty: the built-in default corpus.", nargs="*")
-    split: str = _f("969,30,1", "Train,valid,test split of --data-path documents, e.g. 949,50,1 (weights >= 0; "
-                                "train's must be > 0). An empty validation split (e.g. 100,0,0) skips evaluation.")
+    split: Optional[str] = _f(
+        None, "Train,valid,test split of --data-path documents, e.g. 949,50,1 (weights >= 0; train's must be > 0). "
+              f"Default: {DEFAULT_SPLIT}. An empty validation split (e.g. 100,0,0) skips evaluation. Not with "
+              "--train-data-path / --valid-data-path / --test-data-path, which give each split its own data.")
     train_data_path: list = _f([], "Separate (weighted) prefixes for training.", nargs="*")
     valid_data_path: list = _f([], "Separate (weighted) prefixes for validation.", nargs="*")
     test_data_path: list = _f([], "Separate (weighted) prefixes for test.", nargs="*")
@@ -207,7 +218,8 @@ class DataConfig:
 class TrainingConfig:
     micro_batch_size: int = _f(8, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Samples per optimizer step over all DP ranks. Default: micro_batch_size * DP.")
-    train_iters: int = _f(200, "Optimizer steps to train.")
+    train_iters: Optional[int] = _f(None, f"Optimizer steps to train. Default: {DEFAULT_TRAIN_ITERS}, or the whole "
+                                          "steps --train-samples holds (give one of the two).")
     seed: int = _f(1234, "Random seed (weights, data order, dropout); 0 <= seed < 2**32.")
     bf16: bool = _f(False, "Train in bf16 with fp32 master weights (the default on GPU).")
     fp32: bool = _f(False, "Train in fp32 (the default on CPU).")
@@ -511,11 +523,13 @@ def _range_errors(cfg: MegacoatConfig) -> list:
                       "(GPT pretraining uses about 1e-4 to 1e-2).")
     if lg.log_interval < 1:
         errors.append(f"--log-interval {lg.log_interval} must be >= 1 (iterations per log line; the last "
-                      f"iteration is always logged, so --log-interval {cfg.train.train_iters} logs only at the end).")
+                      f"iteration is always logged, so --log-interval {cfg.train.train_iters or 'N'} with "
+                      "--train-iters N logs only at the end).")
     if c.save_retain is not None and c.save_retain < 1:
         errors.append("--save-retain must be >= 1 (the newest checkpoint is always kept).")
     try:
-        split_fractions(cfg.data.split)
+        if cfg.data.split is not None:
+            split_fractions(cfg.data.split)
     except ConfigError as e:
         errors.append(str(e))
     return errors
@@ -582,7 +596,7 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     if t.bf16 and t.fp32:
         errors.append("--bf16 and --fp32 conflict: pick one.")
     errors += _lr_schedule_errors(cfg)
-    if o.lr_decay_iters is None:
+    if o.lr_decay_iters is None and t.train_samples is None:
         o.lr_decay_iters = t.train_iters
     d = cfg.data
     if d.mock_data and (d.data_path or d.train_data_path):
@@ -630,12 +644,19 @@ def _lr_schedule_errors(cfg: MegacoatConfig) -> list:
 
 
 def _train_data_errors(d: DataConfig) -> list:
-    """Training data that is empty by the flags alone (the data files are checked when the datasets are built)."""
-    if d.mock_data:
-        return []
+    """Training data that is empty by the flags alone (the data files are checked when the datasets are built);
+    resolves --split."""
     if d.train_data_path or d.valid_data_path or d.test_data_path:
+        errors = []
         if not d.train_data_path:
-            return ["--valid-data-path / --test-data-path need --train-data-path (the training data)."]
+            errors.append("--valid-data-path / --test-data-path need --train-data-path (the training data).")
+        if d.split is not None:  # Megatron: "split and blend_per_split are incompatible"
+            errors.append(f"--split {d.split} divides the documents of --data-path; --train-data-path / "
+                          "--valid-data-path / --test-data-path give each split its own data: drop --split.")
+        return errors
+    if d.split is None:
+        d.split = DEFAULT_SPLIT
+    if d.mock_data:
         return []
     if split_fractions(d.split)[0] == 0:
         source = f"--data-path {' '.join(d.data_path)}" if d.data_path else "the default corpus"
@@ -698,16 +719,31 @@ def global_batch_size_at(cfg: MegacoatConfig, consumed_samples: int) -> int:
 
 def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
     """--train-samples (with --lr-warmup-samples / --lr-decay-samples / --rampup-batch-size) and
-    --lr-warmup-fraction; resolves --train-iters from --train-samples."""
+    --lr-warmup-fraction; resolves --train-iters (from --train-samples, else its default) and --lr-warmup-iters.
+    As in Megatron, a run counts its schedule in one unit: flags of the other unit are refused, not ignored."""
     t, o, errors = cfg.train, cfg.optim, []
     if o.lr_warmup_fraction is not None and o.lr_warmup_samples is not None:
         errors.append("--lr-warmup-fraction and --lr-warmup-samples conflict: pick one.")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
+        errors.append("--lr-warmup-fraction and --lr-warmup-iters conflict: pick one (the fraction is of the decay "
+                      "span).")
     if t.train_samples is None:
         named = [f for f, v in (("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples),
                                 ("--rampup-batch-size", t.rampup_batch_size)) if v]
         if named:
             errors.append(f"{' / '.join(named)} need --train-samples (the schedule counts samples then).")
+        if t.train_iters is None:
+            t.train_iters = DEFAULT_TRAIN_ITERS
+        if o.lr_warmup_iters is None:
+            o.lr_warmup_iters = 0 if o.lr_warmup_fraction is not None else DEFAULT_WARMUP_ITERS
         return errors
+    named = [f for f, v in (("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-decay-iters", o.lr_decay_iters)) if v]
+    if named:
+        errors.append(f"{' / '.join(named)} count{'s' if len(named) == 1 else ''} iterations, but --train-samples "
+                      "counts this run's schedule in samples: use --lr-warmup-samples / --lr-decay-samples (or "
+                      "--lr-warmup-fraction) instead.")
+    if o.lr_warmup_iters is None:
+        o.lr_warmup_iters = 0
     unit = t.micro_batch_size * dp
     try:
         ramp = rampup_batch_sizes(cfg)
@@ -737,6 +773,9 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
         iters += 1
     if iters < 1:
         return errors + [f"--train-samples {t.train_samples} is less than one global batch."]
+    if t.train_iters not in (None, iters):  # (validating twice finds the number it set)
+        return errors + [f"--train-iters {t.train_iters} and --train-samples {t.train_samples} ({iters} steps of "
+                         f"--global-batch-size {t.global_batch_size}) disagree: give only one of them."]
     t.train_iters = iters
     if o.lr_decay_samples is None:
         o.lr_decay_samples = t.train_samples

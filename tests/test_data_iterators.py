@@ -109,8 +109,9 @@ def test_rampup_steps_take_consecutive_samples_for_any_dp_size(tmp_path):
     from megacoat.config import global_batch_size_at
     from megacoat.data.sampler import GlobalOrderBatchSampler
 
-    cfg = make_cfg(tmp_path, "--mock-data", "--vocab-size", "50", "--micro-batch-size", "1", "--train-samples", "40",
-                   "--rampup-batch-size", "2", "2", "12", world=2)
+    cfg = parse_args(["--mock-data", "--vocab-size", "50", "--micro-batch-size", "1", "--global-batch-size", "8",
+                      "--train-samples", "40", "--rampup-batch-size", "2", "2", "12"])
+    validate_config(cfg, 2)
     sizes = [global_batch_size_at(cfg, c) for c in (0, 2, 4, 8, 14)]
     assert sizes == [2, 2, 4, 6, 8]
 

@@ -119,3 +119,51 @@ def test_bad_blends_are_refused_naming_the_fix(words, message, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataConfigError, match=message):
         parse_blend(words)
+
+
+# ------------------------------------------------------------------------------------------------ schedule flags
+def _refusal(flags, base=BASE) -> str:
+    from megacoat.config import ConfigError, parse_args, validate_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_config(parse_args(base + list(flags)), 1)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("flags,message", [
+    # Megatron: 'expected sample-based learning rate decay' / '... warmup' / 'expected sample-based training'.
+    # Each was accepted and ignored: the decay ran over --train-samples, warmup was 0, --train-iters was replaced.
+    (["--train-samples", "64", "--lr-decay-iters", "4"], "--lr-decay-iters counts iterations, but --train-samples"),
+    (["--train-samples", "64", "--lr-warmup-iters", "2"], "--lr-warmup-iters counts iterations, but --train-samples"),
+    (["--train-samples", "64", "--train-iters", "4"], "--train-iters 4 and --train-samples 64 (8 steps of "
+                                                      "--global-batch-size 8) disagree: give only one"),
+    # Megatron: 'can only specify one of lr-warmup-fraction and lr-warmup-iters'; the fraction silently won.
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction and --lr-warmup-iters "
+                                                                "conflict"),
+    # Megatron: 'split and blend_per_split are incompatible'; --split was silently ignored.
+    (["--train-data-path", "A", "--valid-data-path", "B", "--split", "50,50,0"], "--split 50,50,0 divides the "
+                                                                                "documents of --data-path"),
+])
+def test_flags_of_another_unit_or_source_are_refused(flags, message):
+    text = _refusal(flags, REAL if "--train-data-path" in flags else BASE)
+    assert message in text and "\n" not in text
+
+
+def test_consistent_unit_flags_and_defaults_resolve():
+    """What stays accepted: a --train-iters equal to what --train-samples gives, --lr-warmup-iters 0 with either
+    unit; the defaults resolve by unit; validating twice (tests, tools) keeps the resolved values."""
+    from megacoat.config import parse_args, validate_config
+
+    cfg = parse_args(BASE + ["--train-samples", "64", "--train-iters", "8", "--lr-warmup-iters", "0"])
+    validate_config(cfg, 1)
+    validate_config(cfg, 1)
+    assert cfg.train.train_iters == 8 and cfg.optim.lr_warmup_iters == 0 and cfg.optim.lr_decay_iters is None
+    cfg = parse_args(BASE)
+    validate_config(cfg, 1)
+    validate_config(cfg, 1)
+    assert (cfg.train.train_iters, cfg.optim.lr_warmup_iters, cfg.optim.lr_decay_iters) == (200, 20, 200)
+    assert cfg.data.split == "969,30,1"
+    cfg = parse_args(BASE + ["--lr-warmup-fraction", "0.25", "--train-iters", "8"])
+    validate_config(cfg, 1)
+    validate_config(cfg, 1)
+    assert cfg.optim.lr_warmup_iters == 0

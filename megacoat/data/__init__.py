@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 
-from megacoat.config import global_batch_size_at
+from megacoat.config import DEFAULT_SPLIT, global_batch_size_at
 from megacoat.data.dataset_builder import (DataConfigError, build_blend_dataset, build_mock_datasets,
                                            build_split_datasets, cache_error, cache_root, index_cache_dir,
                                            parse_blend, samples_per_split)
@@ -111,7 +111,7 @@ def _build_datasets(cfg, tokenizer, train_samples: Optional[int]):
                                   "--tokenizer-type/--tokenizer-model, or pass --data-path with data made by "
                                   "tools/preprocess_data.py for your tokenizer")
         blend = parse_blend([corpus.data_prefix])
-    return build_split_datasets(blend, d.split, sizes, seq, seed, cache)
+    return build_split_datasets(blend, d.split or DEFAULT_SPLIT, sizes, seq, seed, cache)
 
 
 def _no_validation_data(d) -> str:
@@ -120,7 +120,7 @@ def _no_validation_data(d) -> str:
         return f"--valid-data-path {' '.join(d.valid_data_path)} holds no documents" if d.valid_data_path else \
             "no --valid-data-path"
     source = f"--data-path {' '.join(d.data_path)}" if d.data_path else "the default corpus"
-    return f"--split {d.split} leaves no documents of {source} for validation"
+    return f"--split {d.split or DEFAULT_SPLIT} leaves no documents of {source} for validation"
 
 
 def build_datasets(cfg, tokenizer, train_samples: Optional[int] = None) -> Datasets:
