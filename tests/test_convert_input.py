@@ -353,3 +353,16 @@ def test_other_heads_of_a_supported_model_type_are_refused(tmp_path, capsys):
     capsys.readouterr()
     assert _to_megacoat(tmp_path / "cls", tmp_path / "out") == 2
     _one_line_error(capsys, "['LlamaForSequenceClassification']", "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+def test_export_names_no_special_token_the_model_does_not_have(tmp_path, make):
+    """The export's config.json says bos_token_id null where the tokenizer has no BOS: left out,
+    transformers fills in its own (Llama 1, a plain token here; GPT-2 50256, outside this vocabulary)."""
+    from megacoat.checkpoint.model_io import load_tokenizer
+    make().save_pretrained(tmp_path / "hf")
+    assert _to_megacoat(tmp_path / "hf", tmp_path / "mc") == 0
+    assert _to_hf(tmp_path / "mc", tmp_path / "out") == 0
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert cfg.bos_token_id is None
+    assert cfg.eos_token_id == load_tokenizer(str(tmp_path / "mc")).eod

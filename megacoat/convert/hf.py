@@ -124,6 +124,8 @@ def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dty
     with staged_hf_dir(save_dir, replaced) as stage:
         save_file(hf_tensors, os.path.join(stage, "model.safetensors"), metadata={"format": "pt"})
         config.update(_export_tokenizer(checkpoint_dir, meta, stage, m.max_position_embeddings, log))
+        for special in ("bos_token_id", "eos_token_id"):  # absent, transformers puts its own (GPT-2: 50256)
+            config.setdefault(special, None)
         with open(os.path.join(stage, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
     return save_dir
