@@ -366,3 +366,42 @@ def test_export_names_no_special_token_the_model_does_not_have(tmp_path, make):
     cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert cfg.bos_token_id is None
     assert cfg.eos_token_id == load_tokenizer(str(tmp_path / "mc")).eod
+
+
+@pytest.mark.parametrize("fail_at", range(3))
+def test_interrupted_megatron_rewrite_keeps_a_whole_checkpoint(tmp_path, monkeypatch, old_and_new, fail_at):
+    """--force over a Megatron checkpoint of the same iteration, killed at each step of putting the new
+    directory in place: `release` holds the old layout (TP 1) or the new one (TP 2), complete (the old
+    directory was deleted before the new one was renamed in)."""
+    import shutil
+
+    import megacoat.checkpoint.format as fmt
+    from megacoat.convert.megatron_pickle import load_torch_file
+    mc, _, _ = old_and_new
+    out = tmp_path / "megatron"
+    to_megatron = ["--load-format", "megacoat", "--load-dir", str(mc), "--save-format", "megatron",
+                   "--save-dir", str(out)]
+    assert convert(*to_megatron) == 0
+    steps = []
+    real_rename, real_rmtree, real_exchange = os.rename, shutil.rmtree, fmt.exchange_paths
+
+    def step(fn, *args):
+        if any(str(a).endswith(("release", "release.partial", "release.replaced")) for a in args):
+            if len(steps) == fail_at:
+                raise KeyboardInterrupt
+            steps.append(args)
+        return fn(*args)
+
+    monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
+    monkeypatch.setattr(shutil, "rmtree", lambda p, *a, **k: step(lambda p: real_rmtree(p, *a, **k), p))
+    monkeypatch.setattr(fmt, "exchange_paths", lambda a, b: step(real_exchange, a, b))
+    try:
+        convert(*to_megatron, "--force", "--target-tensor-parallel-size", "2")
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    ranks = sorted(p.name for p in (out / "release").iterdir())
+    assert ranks in (["mp_rank_00"], ["mp_rank_00", "mp_rank_01"]), ranks
+    for r in ranks:
+        assert "model" in load_torch_file(str(out / "release" / r / "model_optim_rng.pt"))
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "release"

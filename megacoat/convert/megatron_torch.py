@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..checkpoint.format import CheckpointError
+from ..checkpoint.format import CheckpointError, fsync_dir, replace_directory, write_file_atomic
 from .megatron_model import EXTRA_STATE, LAYER_KEY, local_to_te, merge_tp, split_tp, te_to_local
 from .megatron_pickle import load_torch_file
 
@@ -165,8 +165,15 @@ def write_torch_checkpoint(save_dir: str, full: Dict[str, torch.Tensor], num_lay
             os.makedirs(rank_dir, exist_ok=True)
             state = dict(common, model=sd)
             torch.save(state, os.path.join(rank_dir, FILE))
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.rename(iter_dir, final_dir)
-    with open(os.path.join(save_dir, TRACKER), "w") as f:
-        f.write("release" if iteration is None else str(iteration))
+    for root, _, files in os.walk(iter_dir):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(root)
+    if os.path.exists(final_dir):  # the old directory stays whole until the new one takes its place
+        replace_directory(iter_dir, final_dir, os.path.join(save_dir, f".{name}.replaced"))
+    else:
+        os.rename(iter_dir, final_dir)
+    fsync_dir(save_dir)
+    write_file_atomic(os.path.join(save_dir, TRACKER), b"release" if iteration is None else str(iteration).encode())
     return final_dir
