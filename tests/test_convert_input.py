@@ -405,3 +405,18 @@ def test_interrupted_megatron_rewrite_keeps_a_whole_checkpoint(tmp_path, monkeyp
     for r in ranks:
         assert "model" in load_torch_file(str(out / "release" / r / "model_optim_rng.pt"))
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+
+
+def test_target_pp_is_checked_for_every_output(tmp_path, capsys, old_and_new):
+    """PP 0 (a ZeroDivisionError traceback for Megatron output) and a PP that does not divide the 2 layers
+    (accepted unchecked from Megatron input) are refused, whatever the formats."""
+    mc, _, _ = old_and_new
+    assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", "megatron",
+                   "--save-dir", str(tmp_path / "megatron")) == 0
+    capsys.readouterr()
+    for load_fmt, load, save_fmt in (("megacoat", mc, "megatron"), ("megacoat", mc, "megacoat"),
+                                     ("megatron", tmp_path / "megatron", "megacoat")):
+        for pp, words in (("0", "must be >= 1"), ("3", "does not divide")):
+            assert convert("--load-format", load_fmt, "--load-dir", str(load), "--save-format", save_fmt,
+                           "--save-dir", str(tmp_path / f"out_{save_fmt}"), "--target-pipeline-parallel-size", pp) == 2
+            _one_line_error(capsys, f"--target-pipeline-parallel-size {pp}" if pp == "3" else words, words)

@@ -29,7 +29,7 @@ from .megatron_dist import is_dist_format, read_dist_checkpoint
 from .megatron_model import EXTRA_STATE, args_from_model_config, megacoat_to_megatron as to_megatron_names, \
     megatron_to_megacoat as to_megacoat_names, model_config_from_args, padded_vocab
 from .megatron_torch import is_torch_format, read_torch_checkpoint, resolve_iteration_dir, write_torch_checkpoint
-from .target import check_checkpoint_target, check_target_tp
+from .target import check_checkpoint_target, check_target_pp, check_target_tp
 
 # Megatron tokenizer types megacoat builds itself (same names, same semantics).
 SHARED_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -118,12 +118,14 @@ def _tokenizer_from(flags: TokenizerFlags, args, log, iter_dir: str = ""):
 
 def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optional[torch.dtype] = None,
                          tokenizer: TokenizerFlags = TokenizerFlags(), true_vocab_size: Optional[int] = None,
-                         carry_iteration: bool = False, log=print, force: bool = False) -> str:
+                         carry_iteration: bool = False, log=print, force: bool = False, pp: int = 1) -> str:
+    """A megacoat checkpoint of a Megatron one, laid out for TP=`tp` (any layout loads it; `pp` is only checked)."""
     check_checkpoint_target(save_dir, None, force)  # fail before reading a large checkpoint
     common, full, fmt, spec = read_megatron(load_dir)
     args = common["args"]
     m = model_config_from_args(args, full)
     check_target_tp(tp, m)
+    check_target_pp(pp, m.num_layers)
     tok = _tokenizer_from(tokenizer, args, log, resolve_iteration_dir(load_dir))
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab = true_vocab_size or getattr(args, "true_vocab_size", None) or (tok.vocab_size if tok else None)
@@ -204,6 +206,7 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     else:
         why = "asked for"
     check_target_tp(tp, m)
+    check_target_pp(pp, m.num_layers)
     dtype = dtype or next(iter(tensors.values())).dtype
     padded = padded_vocab(vocab, m, tp)
     full = {k: v.to(dtype) for k, v in to_megatron_names(m, padded, tensors).items()}

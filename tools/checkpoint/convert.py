@@ -75,14 +75,13 @@ def convert(a, dtype) -> str:
     from megacoat.convert import (TokenizerFlags, hf_to_megacoat, megacoat_to_hf, megacoat_to_megacoat,
                                   megacoat_to_megatron, megatron_to_megacoat)
     if a.load_format == "megatron" and a.save_format == "megacoat":
-        if a.target_pipeline_parallel_size < 1:
-            raise CheckpointError("--target-pipeline-parallel-size must be >= 1")
         if a.megatron_transformer_impl:
             raise CheckpointError("--megatron-transformer-impl applies to megacoat -> Megatron; the layer spec of "
                                   "a Megatron checkpoint is read from its parameter names and args")
         tok = TokenizerFlags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
         out = megatron_to_megacoat(a.load_dir, a.save_dir, a.target_tensor_parallel_size, dtype, tok,
-                                   a.true_vocab_size, a.carry_iteration, force=a.force)
+                                   a.true_vocab_size, a.carry_iteration, force=a.force,
+                                   pp=a.target_pipeline_parallel_size)
     elif a.load_format == "megacoat" and a.save_format == "megatron":
         out = megacoat_to_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
                                    a.target_pipeline_parallel_size, dtype, a.megatron_transformer_impl,
@@ -110,8 +109,9 @@ def main(argv=None) -> int:
     from megacoat.checkpoint.ownership import SaveDirLock
     dtype = DTYPES.get(a.dtype)
     try:
-        if a.target_tensor_parallel_size < 1:
-            raise CheckpointError("--target-tensor-parallel-size must be >= 1")
+        for flag, size in (("tensor", a.target_tensor_parallel_size), ("pipeline", a.target_pipeline_parallel_size)):
+            if size < 1:
+                raise CheckpointError(f"--target-{flag}-parallel-size must be >= 1")
         megatron_only = [f for f, v in (("--carry-iteration", a.carry_iteration), ("--true-vocab-size", a.true_vocab_size),
                                         ("--tokenizer-type", a.tokenizer_type),
                                         ("--megatron-transformer-impl", a.megatron_transformer_impl)) if v]
