@@ -420,3 +420,14 @@ def test_target_pp_is_checked_for_every_output(tmp_path, capsys, old_and_new):
             assert convert("--load-format", load_fmt, "--load-dir", str(load), "--save-format", save_fmt,
                            "--save-dir", str(tmp_path / f"out_{save_fmt}"), "--target-pipeline-parallel-size", pp) == 2
             _one_line_error(capsys, f"--target-pipeline-parallel-size {pp}" if pp == "3" else words, words)
+
+
+@pytest.mark.parametrize("metadata, words", [('{"format": "megacoat-checkpoint", "version": 1}', "lacks iteration, layouts"),
+                                             ("[]", "JSON list, not an object")], ids=["keys-missing", "a-list"])
+def test_edited_metadata_is_named(tmp_path, capsys, old_and_new, metadata, words):
+    mc, _, _ = old_and_new
+    broken = _copy(mc, tmp_path / "broken")
+    (broken / "iter_0000000" / "metadata.json").write_text(metadata)
+    capsys.readouterr()
+    assert _to_hf(broken, tmp_path / "x") == 2
+    _one_line_error(capsys, "metadata.json", words)

@@ -35,12 +35,19 @@ class CheckpointReader:
                 self.meta = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{meta_path} is unreadable ({e}); the checkpoint is corrupted") from None
+        if not isinstance(self.meta, dict):
+            raise CheckpointError(f"{meta_path} holds a JSON {type(self.meta).__name__}, not an object; the checkpoint "
+                                  "is corrupted: load another iteration")
         if self.meta.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path} is not a megacoat checkpoint (format {self.meta.get('format')!r}); "
                                   "Hugging Face directories are converted with tools/checkpoint/convert.py")
         if self.meta.get("version", 0) > FORMAT_VERSION:
             raise CheckpointError(f"{path} was written by a newer megacoat (format version {self.meta['version']} > "
                                   f"{FORMAT_VERSION}); upgrade megacoat to load it")
+        lacking = [k for k in ("iteration", "layouts", "tensors", "vocab_size") if k not in self.meta]
+        if lacking:
+            raise CheckpointError(f"{meta_path} lacks {', '.join(lacking)}; the checkpoint is corrupted (or the file "
+                                  "was edited): load another iteration")
         self.layouts = {n: TensorLayout.from_json(d) for n, d in self.meta["layouts"].items()}
         self.tensors: Dict[str, dict] = self.meta["tensors"]
         self._files: Dict[str, io.BufferedReader] = {}
