@@ -422,8 +422,10 @@ def test_target_pp_is_checked_for_every_output(tmp_path, capsys, old_and_new):
             _one_line_error(capsys, f"--target-pipeline-parallel-size {pp}" if pp == "3" else words, words)
 
 
-@pytest.mark.parametrize("metadata, words", [('{"format": "megacoat-checkpoint", "version": 1}', "lacks iteration, layouts"),
-                                             ("[]", "JSON list, not an object")], ids=["keys-missing", "a-list"])
+@pytest.mark.parametrize("metadata, words", [
+    ('{"format": "megacoat-checkpoint", "version": 1}', "lacks iteration, layouts"),
+    ("[]", "JSON list, not an object"),
+], ids=["keys-missing", "a-list"])
 def test_edited_metadata_is_named(tmp_path, capsys, old_and_new, metadata, words):
     mc, _, _ = old_and_new
     broken = _copy(mc, tmp_path / "broken")
