@@ -113,6 +113,12 @@ class OptimizerConfig:
                                                "--train-samples.")
     lr_warmup_fraction: Optional[float] = _f(None, "Warmup as a fraction of the decay span (iterations or samples); "
                                                    "replaces --lr-warmup-iters / --lr-warmup-samples.")
+    override_opt_param_scheduler: bool = _f(
+        False, "Resuming: follow this run's schedule flags (--lr, --min-lr, warmup, decay span and style) where they "
+               "differ from the checkpoint's (Megatron's --override-opt_param-scheduler).")
+    use_checkpoint_opt_param_scheduler: bool = _f(
+        False, "Resuming: keep the checkpoint's schedule where this run's flags differ (Megatron's "
+               "--use-checkpoint-opt_param-scheduler). Without either flag, a difference is refused.")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.95, "Adam beta2.")
@@ -373,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Alias of --activation swiglu.")
     parser.add_argument("--disable-bias-linear", dest="model.add_bias_linear", action="store_false",
                         help="Alias: no biases in linear layers (the default).")
+    for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):  # Megatron's spelling
+        parser.add_argument(_flag(name).replace("opt-param", "opt_param"), dest=f"optim.{name}", action="store_true",
+                            help=f"Alias of {_flag(name)}.")
     return parser
 
 
@@ -591,6 +600,8 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     else:
         errors += _pipeline_errors(m.num_layers, pp, p, t.global_batch_size // (t.micro_batch_size * dp))
     errors += _sample_schedule_errors(cfg, dp)  # before --lr-decay-iters defaults to --train-iters
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict: pick one.")
     if t.fp16:
         errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
     if t.bf16 and t.fp32:

@@ -22,7 +22,8 @@ def train_and_save(save, lr):
     """The first call trains two iterations, saving both. Later calls rewind the run to iteration 1
     (`--load <save>/iter_0000001`, as after a loss spike) and retrain iteration 2 with another --lr:
     the existing iter_0000002 is re-saved with other weights while the tracker names it."""
-    rewind = ["--load", os.path.join(save, "iter_0000001")] if os.path.isdir(save) else []
+    rewind = ["--load", os.path.join(save, "iter_0000001"), "--override-opt_param-scheduler"] if os.path.isdir(save) \
+        else []
     t = Trainer(parse_args(COMMON + ["--save", save, "--save-interval", "1", "--lr", str(lr)] + rewind),
                 log_stream=open(os.devnull, "w"))
     t.train()

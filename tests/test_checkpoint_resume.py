@@ -148,7 +148,8 @@ def test_mismatched_num_layers_names_the_flag(saved):
     msg = _load_error(saved, ["--num-layers", "3"])
     assert "--num-layers: checkpoint 2, this run 3" in msg and "--use-checkpoint-args" in msg
     # ... and --use-checkpoint-args takes the saved architecture instead.
-    _, t = train(["--train-iters", "3", "--load", saved, "--num-layers", "3", "--use-checkpoint-args"])
+    _, t = train(["--train-iters", "3", "--load", saved, "--num-layers", "3", "--use-checkpoint-args",
+                  "--override-opt_param-scheduler"])
     assert t.cfg.model.num_layers == 2 and t.state.iteration == 3
 
 

@@ -117,7 +117,7 @@ def test_save_retain_keeps_the_newest(tmp_path):
     assert "--save-retain 2: removed checkpoint(s) of iteration 2" in r.stdout
     # and a resume from the retained newest works
     r = run_cli(BASE + ["--global-batch-size", "2", "--train-iters", "8", "--load", str(ckpt), "--save", str(ckpt),
-                        "--save-retain", "2"])
+                        "--save-retain", "2", "--override-opt_param-scheduler"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert _visible(ckpt) == ["iter_0000007", "iter_0000008", "latest_checkpointed_iteration.txt"]
 

@@ -25,7 +25,7 @@ def test_resume_with_a_smaller_global_batch_reads_on_to_its_last_step(tmp_path):
     first = run_cli(BASE + ["--train-iters", "4", "--save", str(ckpt)])
     assert first.returncode == 0, first.stderr[-2000:]
     r = run_cli(BASE + ["--train-iters", "10", "--global-batch-size", "4", "--load", str(ckpt),
-                        "--log-json", str(log)])
+                        "--override-opt_param-scheduler", "--log-json", str(log)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert [x["consumed_samples"] for x in _records(log)] == [32 + 4 * k for k in range(1, 7)]
 
@@ -167,3 +167,82 @@ def test_consistent_unit_flags_and_defaults_resolve():
     validate_config(cfg, 1)
     validate_config(cfg, 1)
     assert cfg.optim.lr_warmup_iters == 0
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def _scheduler(*flags, samples=False):
+    from megacoat.config import parse_args, validate_config
+    from megacoat.training.lr_schedule import build_lr_scheduler
+
+    cfg = parse_args(BASE + list(flags))
+    validate_config(cfg, 1)
+    return build_lr_scheduler(cfg)
+
+
+def _saved_after(steps, *flags):
+    s = _scheduler(*flags)
+    for _ in range(steps):
+        s.step(8) if s.unit == "samples" else s.step()
+    return s.state_dict()
+
+
+@pytest.mark.parametrize("changed,named", [
+    (["--lr", "5e-4"], "--lr 0.001 in the checkpoint, 0.0005 now"),
+    (["--min-lr", "0"], "--min-lr 0.0001 in the checkpoint, 0.0 now"),
+    (["--lr-warmup-iters", "1"], "--lr-warmup-iters (or --lr-warmup-fraction) 2 in the checkpoint, 1 now"),
+    (["--train-iters", "8"], "--lr-decay-iters (default: --train-iters) 4 in the checkpoint, 8 now"),
+    (["--lr-decay-style", "linear"], "--lr-decay-style cosine in the checkpoint, linear now"),
+])
+def test_resume_with_other_schedule_flags_follows_megatrons_rule(changed, named):
+    """Megatron refuses a resume whose schedule flags differ from the checkpoint's (an assertion) unless
+    --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler picks a side; the new flags were
+    silently taken (extending --train-iters re-decayed: the lr jumped back up from --min-lr)."""
+    from megacoat.config import ConfigError
+
+    base = ["--train-iters", "4", "--lr-warmup-iters", "2"]
+    saved = _saved_after(4, *base)
+    resumed = _scheduler(*base, *changed)
+    with pytest.raises(ConfigError) as e:
+        resumed.load_state_dict(saved)
+    assert named in str(e.value) and "--override-opt_param-scheduler" in str(e.value) and \
+        "--use-checkpoint-opt_param-scheduler" in str(e.value)
+
+    follow = _scheduler(*base, *changed, "--override-opt_param-scheduler")
+    follow.load_state_dict(saved)
+    fresh = _scheduler(*base, *changed)
+    assert follow.num_steps == 4 and follow.lr_at(5) == fresh.lr_at(5)
+    keep = _scheduler(*base, *changed, "--use-checkpoint-opt_param-scheduler")
+    keep.load_state_dict(saved)
+    same = _scheduler(*base)
+    assert keep.state_dict() == same.state_dict() | {"num_steps": 4} and keep.lr_at(5) == same.lr_at(5)
+
+
+def test_resume_in_the_other_unit_is_refused_and_old_checkpoints_load():
+    from megacoat.config import ConfigError
+
+    saved = _saved_after(4, "--train-iters", "4")
+    with pytest.raises(ConfigError, match="counts iterations but this run's counts samples .* --no-load-optim"):
+        _scheduler("--train-samples", "64").load_state_dict(saved)
+    s = _scheduler("--train-iters", "8", "--lr", "5e-4")
+    s.load_state_dict({"num_steps": 4})  # a checkpoint that saved the position only
+    assert s.num_steps == 4 and s.max_lr == 5e-4
+
+
+def test_both_scheduler_override_flags_conflict():
+    assert "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict" in _refusal(
+        ["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"])
+
+
+@pytest.mark.slow
+def test_cli_resume_with_another_lr(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = BASE + ["--train-iters", "4", "--lr-warmup-iters", "1"]
+    assert run_cli(flags + ["--save", str(ckpt)]).returncode == 0
+    r = run_cli(flags + ["--load", str(ckpt), "--lr", "5e-4", "--train-iters", "6"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("pretrain_gpt.py: error: the checkpoint's learning-rate schedule differs") == 1
+    log = tmp_path / "log.jsonl"
+    r = run_cli(flags + ["--load", str(ckpt), "--train-iters", "6", "--use-checkpoint-opt_param-scheduler",
+                         "--log-json", str(log)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x["lr"] for x in _records(log)] == [1e-4, 1e-4]  # the checkpoint's decay ended at iteration 4

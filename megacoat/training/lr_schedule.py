@@ -12,6 +12,8 @@ class SampleLRScheduler(LRScheduler):
     """Counts consumed samples instead of steps: step(n) after a step of n samples. The lr of a
     step is the schedule at the samples consumed once it is done (as step k gets lr_at(k))."""
 
+    unit = "samples"
+
     def __init__(self, cfg: MegacoatConfig):
         o = cfg.optim
         super().__init__(o, cfg.train.train_iters)
