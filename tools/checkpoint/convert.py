@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face, Megatron-LM and megacoat.
+r"""Convert checkpoints between Hugging Face, Megatron-LM and megacoat.
 
     python tools/checkpoint/convert.py --load-format hf --load-dir llama-hf --save-format megacoat \
         --save-dir ckpt --target-tensor-parallel-size 2
@@ -24,7 +24,10 @@ megacoat -> megacoat writes a weights-only copy at the target TP.
 A --save-dir that already holds a checkpoint (a tracker, iter_* or release directories) or a Hugging
 Face model is refused unless --force is given. Even with --force a checkpoint directory is never
 rewound: writing an iteration older than the newest one there is refused (its tracker would move
-backwards and the next --load would restart that run).
+backwards and the next --load would restart that run). The --save-dir is never the --load-dir.
+Outputs are published whole: a checkpoint by renaming its finished directory, a Hugging Face model
+by moving its finished files in with config.json last (a forced replacement removes the old model's
+weights, tokenizer and generation settings), so an interrupted conversion never looks complete.
 """
 import argparse
 import contextlib
