@@ -246,3 +246,18 @@ def test_cli_resume_with_another_lr(tmp_path):
                          "--log-json", str(log)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert [x["lr"] for x in _records(log)] == [1e-4, 1e-4]  # the checkpoint's decay ended at iteration 4
+
+
+# ------------------------------------------------------------------------------------------------ Megatron flags
+def test_nccl_backend_on_the_cpu_is_refused():
+    """--distributed-backend nccl (Megatron scripts pass it) on the CPU: every rank died in init_process_group with
+    'device_id parameter must be an accelerator with an index' (a traceback per rank)."""
+    import torch
+
+    from megacoat.config import ConfigError, parse_args
+    from megacoat.training.trainer import Trainer
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU case")
+    with pytest.raises(ConfigError, match="--distributed-backend nccl needs GPUs, but this run is on the CPU .*gloo"):
+        Trainer(parse_args(BASE + ["--train-iters", "1", "--distributed-backend", "nccl"]))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, apply_checkpoint_args
-from ..config import MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
+from ..config import ConfigError, MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
 from ..data import build_data_iterators, build_datasets, build_tokenizer, check_vocab_size
 from ..kernels import triton_available
 from ..model.flops import flops_per_token
@@ -143,6 +143,7 @@ class Trainer:
         # --use-checkpoint-args: architecture flags from the checkpoint in --load (said by rank 0)
         apply_checkpoint_args(cfg, log=_print_flushed if launch.rank == 0 else _say_nothing)
         validate_config(cfg, launch.world_size)  # before any allocation
+        _check_backend(cfg)
         self.cfg = cfg
         self.device = init_distributed(launch, cfg.parallel.distributed_backend,
                                        cfg.parallel.distributed_timeout_minutes, cfg.train.use_cpu)
@@ -438,6 +439,16 @@ class Trainer:
             return
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _check_backend(cfg: MegacoatConfig) -> None:
+    """NCCL runs on GPUs only: on the CPU, init_process_group fails with a traceback about device ids."""
+    if cfg.parallel.distributed_backend != "nccl":
+        return
+    why = "--use-cpu is given" if cfg.train.use_cpu else "no GPU is visible" if not torch.cuda.is_available() else None
+    if why:
+        raise ConfigError(f"--distributed-backend nccl needs GPUs, but this run is on the CPU ({why}): use "
+                          "--distributed-backend gloo, or leave it at auto (nccl on GPUs, gloo on the CPU).")
 
 
 def apply_recompute(chunks, cfg: MegacoatConfig) -> None:
