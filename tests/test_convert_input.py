@@ -433,3 +433,29 @@ def test_edited_metadata_is_named(tmp_path, capsys, old_and_new, metadata, words
     capsys.readouterr()
     assert _to_hf(broken, tmp_path / "x") == 2
     _one_line_error(capsys, "metadata.json", words)
+
+
+def _word_tokenizer(d, n, eos="<eos>"):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"t{i}": i for i in range(n - 1)}
+    vocab[eos] = n - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+
+
+@pytest.mark.parametrize("ids, eos, words", [(301, "<eos>", "has 301 ids but the model's embedding only 203 rows"),
+                                             (150, "<end>", "cannot find an end-of-document token")],
+                         ids=["larger-than-the-embedding", "no-eos"])
+def test_tokenizer_the_checkpoint_could_not_use_is_refused(tmp_path, capsys, hf_llama, ids, eos, words):
+    """tokenizer.json is copied into the checkpoint: one with more ids than the embedding has rows, or
+    without an end-of-document token, made a checkpoint that generate.py and training then refused."""
+    pytest.importorskip("tokenizers")
+    root, _ = hf_llama
+    src = _copy(root / "single", tmp_path / "hf")
+    _word_tokenizer(src, ids, eos)
+    assert _to_megacoat(src, tmp_path / "out") == 2
+    _one_line_error(capsys, words)
+    _word_tokenizer(src, 150)
+    assert _to_megacoat(src, tmp_path / "ok") == 0

@@ -95,6 +95,7 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     cfg.model = m
     has_tokenizer = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
     if has_tokenizer:
+        check_tokenizer_fits(hf_dir, vocab_size)
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = os.path.abspath(os.path.join(save_dir, f"iter_{0:07d}", TOKENIZER_DIR))
     else:  # ids only; vocab_size is the embedding's row count
@@ -110,6 +111,20 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
         return {"tokenizer": {"type": "HuggingFaceTokenizer", "file": os.path.join(TOKENIZER_DIR, "tokenizer.json")}}
 
     return write_model_checkpoint(save_dir, m, vocab_size, tensors, tp=tp, cfg=cfg, extra_files=copy_tokenizer)
+
+
+def check_tokenizer_fits(hf_dir: str, vocab_size: int) -> None:
+    """The tokenizer copied into the checkpoint must load and give only ids the embedding has rows for:
+    the checkpoint's users (tools/generate.py, training with its flags) refuse it otherwise."""
+    from ..data.tokenizer import TokenizerError, build_tokenizer_by_type
+    try:
+        n = build_tokenizer_by_type("HuggingFaceTokenizer", hf_dir).vocab_size
+    except TokenizerError as e:
+        raise CheckpointError(f"the tokenizer in {hf_dir} cannot be used ({e}); fix it, or convert a copy without "
+                              "tokenizer.json (the checkpoint then takes token ids)") from None
+    if n > vocab_size:
+        raise CheckpointError(f"the tokenizer in {hf_dir} has {n} ids but the model's embedding only {vocab_size} "
+                              "rows: ids past it would index outside the embedding; the tokenizer is not this model's")
 
 
 def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False,
