@@ -459,3 +459,17 @@ def test_tokenizer_the_checkpoint_could_not_use_is_refused(tmp_path, capsys, hf_
     _one_line_error(capsys, words)
     _word_tokenizer(src, 150)
     assert _to_megacoat(src, tmp_path / "ok") == 0
+
+
+def test_quantized_weights_are_refused(tmp_path, capsys, hf_llama):
+    """float8 projection weights, with a quantization_config or without (no scales to undo): converting
+    them as weights would be another model."""
+    root, _ = hf_llama
+    src = _copy(root / "single", tmp_path / "hf")
+    _rewrite_weights(src, lambda t: {k: v.to(torch.float8_e4m3fn) if k.endswith("proj.weight") else v
+                                     for k, v in t.items()})
+    assert _to_megacoat(src, tmp_path / "out") == 2
+    _one_line_error(capsys, "float8_e4m3fn tensors", "fp32, bf16 and fp16")
+    _edit_config(src, quantization_config={"quant_method": "fp8"})
+    assert _to_megacoat(src, tmp_path / "out") == 2
+    _one_line_error(capsys, "quantized model", "'fp8'")

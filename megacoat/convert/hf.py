@@ -24,6 +24,7 @@ FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OUTPUT_LAYER = "lm_head.weight"
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def family_of_hf(config: dict) -> str:
@@ -31,6 +32,11 @@ def family_of_hf(config: dict) -> str:
     if kind not in FAMILIES:
         raise CheckpointError(f"Hugging Face model_type {kind!r} is not supported; megacoat converts "
                               f"{sorted(FAMILIES)} (LlamaForCausalLM, GPT2LMHeadModel)")
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise CheckpointError(f"config.json describes a quantized model (quantization_config, quant_method "
+                              f"{method!r}); megacoat converts full-precision weights: convert the original model")
     heads = [a for a in config.get("architectures") or [] if a not in FAMILIES[kind].ARCHITECTURES]
     if heads:  # e.g. LlamaForSequenceClassification: its score head is no language-model output layer
         raise CheckpointError(f"config.json's architectures {heads} is not a language model megacoat converts; "
@@ -89,6 +95,10 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     if unused:
         raise CheckpointError(f"the Hugging Face weights hold tensors the {family} mapping does not understand "
                               f"({', '.join(unused[:5])}); converting would drop them")
+    odd = sorted({str(v.dtype).replace("torch.", "") for v in tensors.values() if v.dtype not in WEIGHT_DTYPES})
+    if odd:  # e.g. float8 without a quantization_config: the values are not the weights without their scales
+        raise CheckpointError(f"the Hugging Face weights hold {', '.join(odd)} tensors; megacoat converts fp32, "
+                              "bf16 and fp16 weights: convert the original model")
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     cfg = MegacoatConfig()
