@@ -473,3 +473,28 @@ def test_quantized_weights_are_refused(tmp_path, capsys, hf_llama):
     _edit_config(src, quantization_config={"quant_method": "fp8"})
     assert _to_megacoat(src, tmp_path / "out") == 2
     _one_line_error(capsys, "quantized model", "'fp8'")
+
+
+@pytest.mark.parametrize("fmt, writer", [("megacoat", "megacoat.checkpoint.model_io.write_pieces"),
+                                         ("megatron", "torch.save")])
+def test_disk_full_while_writing_is_one_line_and_publishes_nothing(tmp_path, capsys, monkeypatch, hf_llama, fmt,
+                                                                   writer):
+    """A full disk while the weights are written: one line (was an OSError traceback), and the target
+    holds no checkpoint, only the hidden directory a new conversion clears."""
+    import errno
+
+    root, _ = hf_llama
+    assert _to_megacoat(root / "single", tmp_path / "mc") == 0
+    capsys.readouterr()
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "file"))
+
+    monkeypatch.setattr(writer, full_disk)
+    to_fmt = ["--load-format", "megacoat", "--load-dir", str(tmp_path / "mc"), "--save-format", fmt,
+              "--save-dir", str(tmp_path / "out")]
+    assert convert(*to_fmt) == 2
+    monkeypatch.undo()
+    _one_line_error(capsys, "No space left on device", "no incomplete output was published")
+    assert not [p for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")]
+    assert convert(*to_fmt) == 0

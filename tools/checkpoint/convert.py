@@ -132,6 +132,11 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a full disk: every output is written aside and published only when complete
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"convert.py: error: {e.strerror or e}{where}; no incomplete output was published: fix the cause "
+              "and convert again", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 
