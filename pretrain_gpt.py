@@ -15,7 +15,7 @@ from megacoat.training.allocator import default_cuda_allocator_settings
 # Before anything starts CUDA: the allocator's expandable segments, unless you configured it yourself.
 default_cuda_allocator_settings()
 
-from megacoat.config import ConfigError, parse_args  # noqa: E402 (after the allocator setting)
+from megacoat.config import ConfigError, parse_args_with_notes  # noqa: E402 (after the allocator setting)
 from megacoat.data import DataConfigError, TokenizerError  # noqa: E402
 from megacoat.parallel.launch_env import LaunchError, read_launch_env  # noqa: E402
 from megacoat.training.log import configure_library_logging  # noqa: E402
@@ -39,12 +39,15 @@ def report_config_error(e: Exception, rank: int) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
+    cfg, notes = parse_args_with_notes(argv)
     configure_library_logging()  # e.g. progress while the default corpus is built on first use
     rank = 0  # until the launcher's environment is read (an error there is reported as rank 0's)
     try:
         launch = read_launch_env()  # torchrun's or SLURM's variables: read here only, passed on
         rank = launch.rank
+        if rank == 0:
+            for note in notes:  # Megatron flags accepted without effect
+                print(f"pretrain_gpt.py: note: {note}", file=sys.stderr, flush=True)
         if cfg.train.dry_run:  # plan only: no process group, no GPU, no data loading
             if rank != 0:  # started by a launcher: one plan is enough
                 return 0

@@ -382,7 +382,73 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):  # Megatron's spelling
         parser.add_argument(_flag(name).replace("opt-param", "opt_param"), dest=f"optim.{name}", action="store_true",
                             help=f"Alias of {_flag(name)}.")
+    parser.add_argument("--recompute-activations", dest="train.recompute_granularity", action="store_const",
+                        const="selective", help="Megatron's alias of --recompute-granularity selective.")
+    parser.add_argument("--use-rotary-position-embeddings", dest="model.position_embedding_type",
+                        action="store_const", const="rope", help="Megatron's alias of --position-embedding-type rope.")
+    _add_megatron_flags(parser)
     return parser
+
+
+# Megatron-LM flags that megacoat accepts and that change nothing here, with why (pretrain_gpt.py says so once).
+MEGATRON_NO_OPS = {
+    "--use-flash-attn": (None, "attention always runs through torch's scaled_dot_product_attention, which uses "
+                               "FlashAttention kernels where the GPU and dtype allow"),
+    "--attention-backend": (("flash", "fused", "unfused", "local", "auto"),
+                            "attention always runs through torch's scaled_dot_product_attention, which picks its "
+                            "kernel itself"),
+    "--no-masked-softmax-fusion": (None, "megacoat has no separate masked-softmax kernel (the softmax is part of "
+                                         "scaled_dot_product_attention)"),
+    "--attention-softmax-in-fp32": (None, "attention's softmax runs inside scaled_dot_product_attention, whose fused "
+                                          "GPU kernels accumulate it in fp32"),
+    "--apply-query-key-layer-scaling": (None, "it changes only fp16 rounding, and megacoat trains in bf16 or fp32"),
+    "--no-bias-gelu-fusion": (None, "the same math either way; megacoat's layers are compiled as a whole "
+                                    "(--torch-compile)"),
+    "--no-bias-dropout-fusion": (None, "the same math either way; megacoat's layers are compiled as a whole "
+                                       "(--torch-compile)"),
+    "--use-mcore-models": (None, "megacoat's GPT is laid out as megatron-core's, its only model"),
+    "--transformer-impl": (("local", "transformer_engine"),
+                           "megacoat has one layer implementation of its own (FP8 through --fp8-format); for "
+                           "converted checkpoints the Megatron layer spec is tools/checkpoint/convert.py's "
+                           "--megatron-transformer-impl"),
+    "--log-throughput": (None, "the iteration line always shows throughput (tokens/s and TFLOP/s per GPU)"),
+}
+
+# Megatron-LM flags refused with what to do instead (argparse's "unrecognized arguments" named no fix).
+MEGATRON_REFUSED = {
+    "--ckpt-format": (("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
+                      "megacoat saves and loads its own checkpoint format, at any TP/PP/DP: drop the flag; a Megatron "
+                      "checkpoint converts with tools/checkpoint/convert.py --load-format megatron "
+                      "(docs/migrating-from-megatron.md)"),
+    "--use-legacy-models": (None, "megacoat has the megatron-core GPT only: drop the flag"),
+}
+
+NOTES_DEST = "_megatron_notes"  # parse_args_with_notes collects the no-op notes here
+
+
+class _MegatronFlag(argparse.Action):
+    """A Megatron flag without a setting here: a no-op noted in the namespace, or a refusal with the fix."""
+
+    def __init__(self, option_strings, dest, note: str, refused: bool, **kwargs):
+        self.note, self.refused = note, refused
+        super().__init__(option_strings, NOTES_DEST, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.refused:
+            parser.error(f"{option_string} is not supported: {self.note}")
+        notes = getattr(namespace, NOTES_DEST, None) or []
+        notes.append(f"{option_string} changes nothing here: {self.note}")
+        setattr(namespace, NOTES_DEST, notes)
+
+
+def _add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM flags without a setting here")
+    for table, refused in ((MEGATRON_NO_OPS, False), (MEGATRON_REFUSED, True)):
+        for flag, (choices, note) in table.items():
+            kwargs = dict(nargs=0) if choices is None else dict(choices=choices)
+            group.add_argument(flag, action=_MegatronFlag, note=note, refused=refused, default=None,
+                               help=("Refused: " if refused else "Accepted, no effect: ") + note.replace("%", "%%"),
+                               **kwargs)
 
 
 def _field_type(f: dataclasses.Field, default: Any):
@@ -396,12 +462,18 @@ def _field_type(f: dataclasses.Field, default: Any):
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> MegacoatConfig:
     """Parse Megatron-style flags into a MegacoatConfig (not yet resolved against the world)."""
-    ns = build_parser().parse_args(argv)
+    return parse_args_with_notes(argv)[0]
+
+
+def parse_args_with_notes(argv: Optional[Sequence[str]] = None):
+    """(config, notes): the notes say which Megatron flags given were accepted without effect, and why."""
+    ns = vars(build_parser().parse_args(argv))
+    notes = ns.pop(NOTES_DEST, None) or []
     cfg = MegacoatConfig()
-    for key, value in vars(ns).items():
+    for key, value in ns.items():
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)
-    return cfg
+    return cfg, notes
 
 
 def config_from_dict(d: dict) -> MegacoatConfig:

@@ -261,3 +261,47 @@ def test_nccl_backend_on_the_cpu_is_refused():
         pytest.skip("the CPU case")
     with pytest.raises(ConfigError, match="--distributed-backend nccl needs GPUs, but this run is on the CPU .*gloo"):
         Trainer(parse_args(BASE + ["--train-iters", "1", "--distributed-backend", "nccl"]))
+
+
+@pytest.mark.parametrize("flags", [["--use-flash-attn"], ["--no-masked-softmax-fusion"], ["--use-mcore-models"],
+                                   ["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine"],
+                                   ["--attention-softmax-in-fp32"], ["--log-throughput"], ["--attention-backend", "auto"],
+                                   ["--no-bias-gelu-fusion"], ["--no-bias-dropout-fusion"],
+                                   ["--apply-query-key-layer-scaling"]])
+def test_megatron_flags_without_effect_are_accepted_with_a_note(flags):
+    """Flags Megatron scripts pass: they stopped the run as 'unrecognized arguments' with no fix; they change
+    nothing here, so they are accepted, the configuration is the one without them, and a note says why."""
+    from megacoat.config import parse_args, parse_args_with_notes
+
+    cfg, notes = parse_args_with_notes(BASE + flags)
+    assert cfg.to_dict() == parse_args(BASE).to_dict()
+    assert len(notes) == 1 and notes[0].startswith(f"{flags[0]} changes nothing here: ")
+
+
+@pytest.mark.parametrize("flags,fix", [
+    (["--ckpt-format", "torch_dist"], "tools/checkpoint/convert.py --load-format megatron"),
+    (["--use-legacy-models"], "megatron-core GPT only: drop the flag"),
+])
+def test_megatron_flags_refused_name_the_fix(flags, fix, capsys):
+    from megacoat.config import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {flags[0]} is not supported: " in err and fix in err
+
+
+def test_megatron_aliases():
+    from megacoat.config import parse_args
+
+    assert parse_args(BASE + ["--recompute-activations"]).train.recompute_granularity == "selective"
+    cfg = parse_args(BASE + ["--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings"])
+    assert cfg.model.position_embedding_type == "rope"
+
+
+@pytest.mark.slow
+def test_cli_prints_the_note_once_and_trains(tmp_path):
+    r = run_cli(BASE + ["--train-iters", "1", "--use-flash-attn", "--transformer-impl", "local"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("pretrain_gpt.py: note: --use-flash-attn changes nothing here") == 1
+    assert r.stderr.count("pretrain_gpt.py: note: --transformer-impl changes nothing here") == 1
