@@ -498,3 +498,21 @@ def test_disk_full_while_writing_is_one_line_and_publishes_nothing(tmp_path, cap
     _one_line_error(capsys, "No space left on device", "no incomplete output was published")
     assert not [p for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")]
     assert convert(*to_fmt) == 0
+
+
+def test_cast_beyond_the_dtype_range_is_refused(tmp_path, capsys, hf_llama):
+    """--dtype fp16 of a weight past 65504 made it inf (a different model, written without a word)."""
+    root, _ = hf_llama
+    src = _copy(root / "single", tmp_path / "hf")
+    _rewrite_weights(src, lambda t: dict(t, **{"model.norm.weight": t["model.norm.weight"] * 0 + 1e5}))
+    assert _to_megacoat(src, tmp_path / "mc") == 0
+    capsys.readouterr()
+    runs = [lambda out, *a: _to_megacoat(src, out, *a), lambda out, *a: _to_hf(tmp_path / "mc", out, *a)]
+    runs += [lambda out, *a, fmt=fmt: convert("--load-format", "megacoat", "--load-dir", str(tmp_path / "mc"),
+                                              "--save-format", fmt, "--save-dir", str(out), *a)
+             for fmt in ("megacoat", "megatron")]
+    for i, run in enumerate(runs):
+        assert run(tmp_path / f"fp16_{i}", "--dtype", "fp16") == 2
+        _one_line_error(capsys, "final_norm.weight holds values up to 1e+05", "float16's range (max 65504)")
+        assert run(tmp_path / f"bf16_{i}", "--dtype", "bf16") == 0
+        capsys.readouterr()

@@ -17,7 +17,7 @@ from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_mode
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
 from .hf_files import HFWeights, read_config, read_weights, staged_hf_dir, unused_weights
-from .target import check_checkpoint_target, check_hf_target, check_target_pp, check_target_tp
+from .target import cast_weights, check_checkpoint_target, check_hf_target, check_target_pp, check_target_tp
 
 FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
@@ -99,8 +99,7 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     if odd:  # e.g. float8 without a quantization_config: the values are not the weights without their scales
         raise CheckpointError(f"the Hugging Face weights hold {', '.join(odd)} tensors; megacoat converts fp32, "
                               "bf16 and fp16 weights: convert the original model")
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = cast_weights(tensors, dtype)
     cfg = MegacoatConfig()
     cfg.model = m
     has_tokenizer = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
@@ -143,6 +142,7 @@ def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dty
     replaced = check_hf_target(save_dir, force)
     m, vocab_size, tensors, meta = read_model_tensors(checkpoint_dir)
     family = family_of_megacoat(m)
+    tensors = cast_weights(tensors, dtype)
     dtype = dtype or next(iter(tensors.values())).dtype
     config, hf_tensors = FAMILIES[family].to_hf(m, vocab_size, tensors, dtype)
     from safetensors.torch import save_file

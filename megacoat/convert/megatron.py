@@ -29,7 +29,7 @@ from .megatron_dist import is_dist_format, read_dist_checkpoint
 from .megatron_model import EXTRA_STATE, args_from_model_config, megacoat_to_megatron as to_megatron_names, \
     megatron_to_megacoat as to_megacoat_names, model_config_from_args, padded_vocab
 from .megatron_torch import is_torch_format, read_torch_checkpoint, resolve_iteration_dir, write_torch_checkpoint
-from .target import check_checkpoint_target, check_target_pp, check_target_tp
+from .target import cast_weights, check_checkpoint_target, check_target_pp, check_target_tp
 
 # Megatron tokenizer types megacoat builds itself (same names, same semantics).
 SHARED_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -137,8 +137,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
         raise CheckpointError(f"the vocabulary ({vocab}) is larger than the checkpoint's embedding ({rows} rows): "
                               "the tokenizer or --true-vocab-size does not belong to this checkpoint")
     tensors = to_megacoat_names(m, vocab, full)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = cast_weights(tensors, dtype)
     iteration = int(common.get("iteration", 0) or 0) if carry_iteration else 0
     check_checkpoint_target(save_dir, iteration, force)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if carry_iteration else 0
@@ -207,6 +206,7 @@ def megacoat_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
         why = "asked for"
     check_target_tp(tp, m)
     check_target_pp(pp, m.num_layers)
+    tensors = cast_weights(tensors, dtype)
     dtype = dtype or next(iter(tensors.values())).dtype
     padded = padded_vocab(vocab, m, tp)
     full = {k: v.to(dtype) for k, v in to_megatron_names(m, padded, tensors).items()}

@@ -11,7 +11,7 @@ import torch
 from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
 from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig, config_from_dict
-from .target import check_checkpoint_target, check_target_pp, check_target_tp
+from .target import cast_weights, check_checkpoint_target, check_target_pp, check_target_tp
 
 
 def megacoat_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
@@ -21,8 +21,7 @@ def megacoat_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     m, vocab, tensors, meta = read_model_tensors(load_dir)
     check_target_pp(pp, m.num_layers)
     check_target_tp(tp, m)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = cast_weights(tensors, dtype)
     extra = meta.get("extra") or {}
     source = extra.get("source")  # where the weights came from (e.g. Megatron's layer spec)
     tokenizer = load_tokenizer(load_dir) if extra.get("tokenizer") else None

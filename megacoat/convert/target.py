@@ -1,4 +1,4 @@
-"""Where a conversion writes: the target directory and the target pipeline size.
+"""Where and what a conversion writes: the target directory, the target TP and PP sizes, the target dtype.
 
 A directory that already holds a checkpoint (megacoat's or Megatron's: a tracker, `iter_*` or
 `release` directories) is refused unless forced, and even forced it is never rewound: writing an
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+import torch
 
 from ..checkpoint.format import METADATA_FILE, TRACKER_FILE, CheckpointError, read_tracker
 
@@ -114,3 +116,19 @@ def check_target_tp(tp: int, m) -> None:
                 if not (m.num_attention_heads % d or m.num_query_groups % d or m.ffn_hidden_size % d)]
         raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the model's {', '.join(bad)}; "
                               f"choose one of {fits}")
+
+
+def cast_weights(tensors: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+    """The weights in `dtype` (None: as they are). A weight beyond the dtype's range would become inf
+    (fp16 ends at 65504): refused, naming it, rather than written as another model."""
+    if dtype is None:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        cast = t.to(dtype)
+        if dtype.is_floating_point and not torch.isfinite(cast).all() and torch.isfinite(t).all():
+            kind = str(dtype).replace("torch.", "")
+            raise CheckpointError(f"{name} holds values up to {t.abs().max().item():.4g}, beyond {kind}'s range "
+                                  f"(max {torch.finfo(dtype).max:.0f}): --dtype would make them inf; use bf16 or fp32")
+        out[name] = cast
+    return out
