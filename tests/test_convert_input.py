@@ -516,3 +516,14 @@ def test_cast_beyond_the_dtype_range_is_refused(tmp_path, capsys, hf_llama):
         _one_line_error(capsys, "final_norm.weight holds values up to 1e+05", "float16's range (max 65504)")
         assert run(tmp_path / f"bf16_{i}", "--dtype", "bf16") == 0
         capsys.readouterr()
+
+
+def test_megatron_input_flags_are_refused_elsewhere(tmp_path, capsys, old_and_new):
+    """The tokenizer and vocabulary flags describe a Megatron checkpoint being read; given to another
+    conversion they were silently ignored."""
+    mc, _, _ = old_and_new
+    capsys.readouterr()
+    for save_fmt in ("megatron", "hf", "megacoat"):
+        assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", save_fmt, "--save-dir",
+                       str(tmp_path / save_fmt), "--true-vocab-size", "100", "--vocab-size", "100") == 2
+        _one_line_error(capsys, "--true-vocab-size, --vocab-size apply to --load-format megatron only")

@@ -115,11 +115,18 @@ def main(argv=None) -> int:
         for flag, size in (("tensor", a.target_tensor_parallel_size), ("pipeline", a.target_pipeline_parallel_size)):
             if size < 1:
                 raise CheckpointError(f"--target-{flag}-parallel-size must be >= 1")
-        megatron_only = [f for f, v in (("--carry-iteration", a.carry_iteration), ("--true-vocab-size", a.true_vocab_size),
-                                        ("--tokenizer-type", a.tokenizer_type),
+        megatron_only = [f for f, v in (("--carry-iteration", a.carry_iteration),
                                         ("--megatron-transformer-impl", a.megatron_transformer_impl)) if v]
         if megatron_only and "megatron" not in (a.load_format, a.save_format):
             raise CheckpointError(f"{', '.join(megatron_only)} apply to Megatron conversions only")
+        from_megatron_only = [f for f, v in (("--true-vocab-size", a.true_vocab_size),
+                                             ("--tokenizer-type", a.tokenizer_type),
+                                             ("--tokenizer-model", a.tokenizer_model), ("--vocab-file", a.vocab_file),
+                                             ("--merge-file", a.merge_file), ("--vocab-size", a.vocab_size))
+                              if v is not None]
+        if from_megatron_only and a.load_format != "megatron":
+            raise CheckpointError(f"{', '.join(from_megatron_only)} apply to --load-format megatron only (a megacoat "
+                                  "checkpoint or Hugging Face model brings its own tokenizer and vocabulary size)")
         if os.path.exists(a.save_dir) and not os.path.isdir(a.save_dir):
             raise CheckpointError(f"--save-dir {a.save_dir} is a file, not a directory; choose a directory")
         if os.path.realpath(a.save_dir) == os.path.realpath(a.load_dir):
