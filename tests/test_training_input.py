@@ -305,3 +305,26 @@ def test_cli_prints_the_note_once_and_trains(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.count("pretrain_gpt.py: note: --use-flash-attn changes nothing here") == 1
     assert r.stderr.count("pretrain_gpt.py: note: --transformer-impl changes nothing here") == 1
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+@pytest.mark.parametrize("split,tested", [("90,5,5", True), ("95,5,0", False)])
+def test_the_test_split_is_evaluated_at_the_end(tmp_path, split, tested):
+    """Megatron evaluates a non-empty test split once training ends ('validation loss at iteration N on test
+    set'); its documents were set aside by --split and never used."""
+    import io
+
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+    from test_data_iterators import null_data
+
+    out, log = io.StringIO(), tmp_path / "log.jsonl"
+    cfg = parse_args(REAL + ["--train-iters", "2", "--eval-iters", "1", "--data-path", null_data(tmp_path, "a"),
+                             "--split", split, "--data-cache-path", str(tmp_path / "c"), "--log-json", str(log)])
+    t = Trainer(cfg, log_stream=out)
+    t.train()
+    t.close()
+    records = [json.loads(x) for x in open(log)]
+    assert ("validation loss at iteration 2 on test set" in out.getvalue()) == tested
+    assert [r["iteration"] for r in records if "test_loss" in r] == ([2] if tested else [])
+    assert [r["iteration"] for r in records if "valid_loss" in r] == [2]

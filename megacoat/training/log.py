@@ -173,18 +173,20 @@ class IterationLogger:
         self._sums, self._steps, self._samples, self._bytes = None, 0, 0, {}
         self._t0 = time.perf_counter()
 
-    def log_eval(self, iteration: int, loss: float) -> None:
+    def log_eval(self, iteration: int, loss: float, split: str = "valid") -> None:
+        """An evaluation's loss; `split` "test": the test set's, evaluated once at the end (Megatron's line)."""
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss))
-        line = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        where = f"iteration {iteration}" + (" on test set" if split == "test" else "")
+        line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         bar = "-" * (len(line) + 1)
         print(f"{bar}\n{line}\n{bar}", file=self.stream, flush=True)
         if self.json_file:
-            self.json_file.write(json.dumps({"iteration": iteration, "valid_loss": loss}) + "\n")
+            self.json_file.write(json.dumps({"iteration": iteration, f"{split}_loss": loss}) + "\n")
             self.json_file.flush()
         if self.trackers:
-            self.trackers.log({"valid_loss": loss, "valid_ppl": ppl}, step=iteration)
+            self.trackers.log({f"{split}_loss": loss, f"{split}_ppl": ppl}, step=iteration)
         self._t0 = time.perf_counter()  # evaluation time is not training time
 
     def finish(self) -> None:
