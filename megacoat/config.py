@@ -570,7 +570,7 @@ _RANGES = (
     ("train", "seed", "seed", ""),
     ("train", "eval_interval", ">=0", " (0: never)"),
     ("train", "eval_iters", ">=0", " (0: no validation)"),
-    ("train", "exit_interval", ">=1", ""),
+    ("train", "exit_interval", ">=1", " (leave it out to run all --train-iters)"),
     ("train", "max_skipped_iterations", ">=1", ""),
     ("train", "recompute_num_layers", ">=1", ""),
     ("train", "inter_node_gbps", ">0 finite", " (Gb/s per GPU, e.g. 400)"),
@@ -663,7 +663,8 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
     if m.position_embedding_type == "rope" and m.kv_channels % 2:
         errors.append(f"RoPE needs an even head dimension, got {m.kv_channels}.")
     if m.max_position_embeddings < m.seq_length:
-        errors.append(f"--max-position-embeddings {m.max_position_embeddings} < --seq-length {m.seq_length}.")
+        errors.append(f"--max-position-embeddings {m.max_position_embeddings} < --seq-length {m.seq_length}: raise it to "
+                      f"at least {m.seq_length}, or leave it out (it defaults to --seq-length).")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp):

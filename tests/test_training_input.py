@@ -328,3 +328,11 @@ def test_the_test_split_is_evaluated_at_the_end(tmp_path, split, tested):
     assert ("validation loss at iteration 2 on test set" in out.getvalue()) == tested
     assert [r["iteration"] for r in records if "test_loss" in r] == ([2] if tested else [])
     assert [r["iteration"] for r in records if "valid_loss" in r] == [2]
+
+
+@pytest.mark.parametrize("flags,fix", [
+    (["--seq-length", "64", "--max-position-embeddings", "32"], "raise it to at least 64, or leave it out"),
+    (["--exit-interval", "0"], "leave it out to run all --train-iters"),  # Megatron takes 0 as 'never'
+])
+def test_refusals_say_the_fix(flags, fix):
+    assert fix in _refusal(flags)
