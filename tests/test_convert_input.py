@@ -527,3 +527,23 @@ def test_megatron_input_flags_are_refused_elsewhere(tmp_path, capsys, old_and_ne
         assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", save_fmt, "--save-dir",
                        str(tmp_path / save_fmt), "--true-vocab-size", "100", "--vocab-size", "100") == 2
         _one_line_error(capsys, "--true-vocab-size, --vocab-size apply to --load-format megatron only")
+
+
+def test_damaged_megatron_checkpoints_are_named(tmp_path, capsys, old_and_new):
+    """A truncated rank file is called that (was 'the pre-1.6 torch format; re-save it'); a tracker naming
+    a missing iteration names both (was 'no tracker here')."""
+    mc, _, _ = old_and_new
+    out = tmp_path / "megatron"
+    assert convert("--load-format", "megacoat", "--load-dir", str(mc), "--save-format", "megatron",
+                   "--save-dir", str(out), "--carry-iteration") == 0
+    capsys.readouterr()
+    from_megatron = ["--load-format", "megatron", "--load-dir", str(out), "--save-format", "megacoat"]
+    rank_file = out / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[: len(data) // 2])
+    assert convert(*from_megatron, "--save-dir", str(tmp_path / "a")) == 2
+    _one_line_error(capsys, "model_optim_rng.pt", "truncated or damaged")
+    rank_file.write_bytes(data)
+    (out / "latest_checkpointed_iteration.txt").write_text("7")
+    assert convert(*from_megatron, "--save-dir", str(tmp_path / "b")) == 2
+    _one_line_error(capsys, "names '7'", "iter_0000007 does not exist")

@@ -93,8 +93,8 @@ def _allow(classes: list):
 def load_torch_file(path: str) -> Any:
     """A file written by `torch.save` (Megatron's model_optim_rng.pt, common.pt), on the CPU."""
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{path} is not a torch.save zip file (pre-1.6 torch format); re-save it with a "
-                              "recent PyTorch or Megatron first")
+        raise CheckpointError(f"{path} is not a torch.save zip file (truncated or damaged, or the pre-1.6 torch "
+                              "format); copy it again, or re-save it with a recent PyTorch or Megatron first")
     names = set()
     for data in _torch_zip_pickles(path):
         names.update(_pickle_globals(data))

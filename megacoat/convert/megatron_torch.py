@@ -34,6 +34,9 @@ def resolve_iteration_dir(path: str) -> str:
         name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
         if name is None:
             raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        if not os.path.isdir(os.path.join(path, name)):
+            raise CheckpointError(f"{tracker} names {text!r} but {os.path.join(path, name)} does not exist; write "
+                                  "an existing iteration into the tracker, or give that iter_* directory")
         path = os.path.join(path, name)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no Megatron checkpoint here (no {TRACKER}, not an iter_* directory)")
