@@ -336,3 +336,22 @@ def test_the_test_split_is_evaluated_at_the_end(tmp_path, split, tested):
 ])
 def test_refusals_say_the_fix(flags, fix):
     assert fix in _refusal(flags)
+
+
+def test_a_validation_split_without_tokens_says_the_fix(tmp_path):
+    """Documents of length 0 at the end of the data: the validation split has documents but no token. The refusal
+    named the split only; it now says what to change."""
+    import numpy as np
+
+    from megacoat.data import DataConfigError
+    from megacoat.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng, prefix = np.random.default_rng(0), str(tmp_path / "z")
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16) as b:
+        for n in [int(rng.integers(5, 80)) for _ in range(60)] + [0] * 4:
+            b.add_document(rng.integers(0, 1000, size=n))
+    cfg = _data_cfg(tmp_path, "--data-path", prefix, "--split", "94,6,0", "--data-cache-path", str(tmp_path / "c"))
+    with pytest.raises(DataConfigError, match=r"the valid split has 0 tokens; a sample needs at least 2; give the "
+                                              r"valid split more documents \(--split\), or skip evaluation with "
+                                              r"--eval-iters 0"):
+        _build(cfg)

@@ -130,7 +130,9 @@ def _gpt(indexed: IndexedDataset, begin: int, end: int, num_samples: int, split:
     try:
         return GPTDataset(indexed, documents, seq_length, num_samples, seed, split, cache_dir, log=log.info)
     except EmptySplitError as e:  # documents, but (almost) no tokens: e.g. every input text was empty
-        raise DataConfigError(f"{what}: {e}") from None
+        fix = ("check the input given to tools/preprocess_data.py (it reports the documents it wrote)" if split == "train"
+               else f"give the {split} split more documents (--split), or skip evaluation with --eval-iters 0")
+        raise DataConfigError(f"{what}: {e}; {fix}") from None
     except OSError as e:  # the index files could not be written (a read-only cache that lacks them)
         if e.filename and os.path.abspath(str(e.filename)).startswith(cache_dir + os.sep):
             raise cache_error(e, os.path.dirname(cache_dir)) from None
