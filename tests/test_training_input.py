@@ -355,3 +355,28 @@ def test_a_validation_split_without_tokens_says_the_fix(tmp_path):
                                               r"valid split more documents \(--split\), or skip evaluation with "
                                               r"--eval-iters 0"):
         _build(cfg)
+
+
+def test_a_token_id_beyond_the_vocabulary_further_in_the_data_is_named(tmp_path):
+    """The datasets' first samples are checked when built; an id of another tokenizer in a later document stopped
+    training with 'IndexError: index out of range in self' (a traceback, mid-run)."""
+    import numpy as np
+
+    from megacoat.data import DataConfigError, build_data_iterators, build_tokenizer
+    from megacoat.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng, prefix = np.random.default_rng(0), str(tmp_path / "rare")
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16) as b:
+        for i in range(200):
+            doc = rng.integers(0, 900, size=int(rng.integers(5, 80)))
+            doc[-1] = 1500 if i == 150 else doc[-1]
+            b.add_document(doc)
+    cfg = _data_cfg(tmp_path, "--data-path", prefix, "--split", "100,0,0", "--data-cache-path", str(tmp_path / "c"),
+                    "--train-iters", "40")
+    tok = build_tokenizer(cfg.data)
+    it = build_data_iterators(cfg, tok, 0, 1)
+    ids = np.stack([it.train_dataset[i] for i in range(4)])
+    assert ids.max() < tok.vocab_size  # the build-time probe passes
+    with pytest.raises(DataConfigError, match="a micro-batch holds token id 1500 but the tokenizer has 1001 ids"):
+        for _ in it.train:
+            pass

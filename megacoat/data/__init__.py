@@ -196,7 +196,7 @@ def build_data_iterators(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, con
 
     datasets = datasets or build_datasets(cfg, tokenizer)
     train_ds, valid_ds, test_ds = datasets.train, datasets.valid, datasets.test
-    collate = BatchBuilder(eod=tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss,
+    collate = BatchBuilder(eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, eod_mask_loss=cfg.data.eod_mask_loss,
                            reset_position_ids=cfg.data.reset_position_ids,
                            reset_attention_mask=cfg.data.reset_attention_mask)
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size

@@ -19,8 +19,10 @@ def stack_samples(samples: Sequence[np.ndarray]) -> np.ndarray:
 
 class BatchBuilder:
     def __init__(self, eod: int, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-                 reset_attention_mask: bool = False):
+                 reset_attention_mask: bool = False, vocab_size: Optional[int] = None):
+        """`vocab_size`: refuse token ids at or above it (data made with another tokenizer)."""
         self.eod = eod
+        self.vocab_size = vocab_size
         self.eod_mask_loss = eod_mask_loss
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
@@ -28,6 +30,8 @@ class BatchBuilder:
     def __call__(self, samples: Union[np.ndarray, List[np.ndarray]]) -> Dict[str, Optional[torch.Tensor]]:
         data = samples if isinstance(samples, np.ndarray) else stack_samples(samples)
         data = torch.from_numpy(np.ascontiguousarray(data, dtype=np.int64))
+        if self.vocab_size is not None:
+            self._check_ids(data)
         tokens = data[:, :-1].contiguous()
         labels = data[:, 1:].contiguous()
         b, s = tokens.shape
@@ -41,6 +45,19 @@ class BatchBuilder:
         document_ids = self._document_ids(is_eod) if self.reset_attention_mask else None
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                 "position_ids": position_ids.contiguous(), "document_ids": document_ids}
+
+    def _check_ids(self, data: torch.Tensor) -> None:
+        # The datasets' first samples are checked when they are built; a rare id of another tokenizer further on
+        # would otherwise stop training in the embedding or the loss with an IndexError traceback.
+        top, low = int(data.max()), int(data.min())
+        if top >= self.vocab_size or low < 0:
+            from megacoat.data.dataset_builder import DataConfigError
+
+            bad = top if top >= self.vocab_size else low
+            raise DataConfigError(
+                f"a micro-batch holds token id {bad} but the tokenizer has {self.vocab_size} ids; the data was made "
+                "with another tokenizer: pass the --tokenizer-type/--tokenizer-model (or --vocab-size) used by "
+                "tools/preprocess_data.py")
 
     @staticmethod
     def _positions_within_documents(is_eod: torch.Tensor) -> torch.Tensor:
