@@ -421,6 +421,9 @@ MEGATRON_REFUSED = {
                       "checkpoint converts with tools/checkpoint/convert.py --load-format megatron "
                       "(docs/migrating-from-megatron.md)"),
     "--use-legacy-models": (None, "megacoat has the megatron-core GPT only: drop the flag"),
+    "--data-args-path": ("FILE", "give the blend on the command line: --data-path $(cat FILE)"),
+    "--per-split-data-args-path": ("FILE", "give each split's blend on the command line: --train-data-path ... "
+                                           "--valid-data-path ... --test-data-path ..."),
 }
 
 NOTES_DEST = "_megatron_notes"  # parse_args_with_notes collects the no-op notes here
@@ -445,7 +448,8 @@ def _add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron-LM flags without a setting here")
     for table, refused in ((MEGATRON_NO_OPS, False), (MEGATRON_REFUSED, True)):
         for flag, (choices, note) in table.items():
-            kwargs = dict(nargs=0) if choices is None else dict(choices=choices)
+            kwargs = dict(nargs=0) if choices is None else dict(metavar=choices) if isinstance(choices, str) \
+                else dict(choices=choices)
             group.add_argument(flag, action=_MegatronFlag, note=note, refused=refused, default=None,
                                help=("Refused: " if refused else "Accepted, no effect: ") + note.replace("%", "%%"),
                                **kwargs)

@@ -281,6 +281,7 @@ def test_megatron_flags_without_effect_are_accepted_with_a_note(flags):
 @pytest.mark.parametrize("flags,fix", [
     (["--ckpt-format", "torch_dist"], "tools/checkpoint/convert.py --load-format megatron"),
     (["--use-legacy-models"], "megatron-core GPT only: drop the flag"),
+    (["--data-args-path", "blend.txt"], "--data-path $(cat FILE)"),
 ])
 def test_megatron_flags_refused_name_the_fix(flags, fix, capsys):
     from megacoat.config import parse_args
