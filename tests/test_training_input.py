@@ -331,6 +331,22 @@ def test_the_test_split_is_evaluated_at_the_end(tmp_path, split, tested):
     assert [r["iteration"] for r in records if "valid_loss" in r] == [2]
 
 
+def test_a_run_stopped_by_exit_interval_leaves_the_test_split_for_its_end(tmp_path):
+    import io
+
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+    from test_data_iterators import null_data
+
+    out = io.StringIO()
+    cfg = parse_args(REAL + ["--train-iters", "3", "--exit-interval", "1", "--eval-iters", "1", "--data-path",
+                             null_data(tmp_path, "a"), "--split", "90,5,5", "--data-cache-path", str(tmp_path / "c")])
+    t = Trainer(cfg, log_stream=out)
+    t.train()
+    t.close()
+    assert "on test set" not in out.getvalue() and "validation loss at iteration 1" in out.getvalue()
+
+
 @pytest.mark.parametrize("flags,fix", [
     (["--seq-length", "64", "--max-position-embeddings", "32"], "raise it to at least 64, or leave it out"),
     (["--exit-interval", "0"], "leave it out to run all --train-iters"),  # Megatron takes 0 as 'never'

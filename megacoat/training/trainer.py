@@ -401,7 +401,8 @@ class Trainer:
         self.checkpointer.finish(self)  # final save; waits for a background (--async-save) write
         if iters.valid is not None and cfg.train.eval_iters > 0 and not interrupted:
             self.logger.log_eval(self.state.iteration, self.evaluate(iters.valid, cfg.train.eval_iters))
-        if iters.test is not None and cfg.train.eval_iters > 0 and not interrupted:  # Megatron's final test loss
+        finished = self.state.iteration >= cfg.train.train_iters  # not stopped early by an exit flag or signal
+        if iters.test is not None and cfg.train.eval_iters > 0 and finished:  # Megatron's final test loss
             self.logger.log_eval(self.state.iteration, self.evaluate(iters.test, cfg.train.eval_iters), split="test")
         self.logger.finish()
         if self.exit_signal is not None:
