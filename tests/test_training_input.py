@@ -397,3 +397,38 @@ def test_a_token_id_beyond_the_vocabulary_further_in_the_data_is_named(tmp_path)
     with pytest.raises(DataConfigError, match="a micro-batch holds token id 1500 but the tokenizer has 1001 ids"):
         for _ in it.train:
             pass
+
+
+# ------------------------------------------------------------------------------------------------ output paths
+@pytest.mark.parametrize("flag,where,message", [
+    ("--log-json", "dir", "is a directory: name a file in it"),
+    ("--log-json", "under_file/x.jsonl", "is a file, not a directory"),
+    ("--tensorboard-dir", "under_file/tb", "cannot create the directory"),
+    ("--tensorboard-dir", "under_file", "is a file, not a directory"),
+])
+def test_output_paths_that_cannot_be_written_are_named(tmp_path, flag, where, message):
+    """--log-json / --tensorboard-dir naming a directory, a file or a path under a file ended in
+    IsADirectoryError / NotADirectoryError tracebacks (--log-json only once training had started)."""
+    from megacoat.config import ConfigError, parse_args
+    from megacoat.training.trainer import Trainer
+
+    if flag == "--tensorboard-dir":
+        pytest.importorskip("torch.utils.tensorboard")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "under_file").write_text("x")
+    path = str(tmp_path / where)
+    with pytest.raises(ConfigError, match=f"{flag} {path}.*{message}"):
+        Trainer(parse_args(BASE + ["--train-iters", "1", flag, path]))
+
+
+def test_log_json_in_a_missing_directory_is_created(tmp_path):
+    import io
+
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+
+    log = tmp_path / "runs" / "a" / "log.jsonl"
+    t = Trainer(parse_args(BASE + ["--train-iters", "1", "--log-json", str(log)]), log_stream=io.StringIO())
+    t.train()
+    t.close()
+    assert [json.loads(x)["iteration"] for x in open(log)] == [1]

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from ..checkpoint.format import write_file_atomic
-from ..config import MegacoatConfig
+from ..config import ConfigError, MegacoatConfig
 from ..parallel.context import ParallelContext
 from .throughput import peak_memory_gib
-from .tracking import tracker_for
+from .tracking import make_output_dir, tracker_for
 
 
 def _sync(device):
@@ -68,6 +68,15 @@ def drop_json_records_after(path: str, iteration: int) -> None:
     write_file_atomic(path, "".join(kept).encode())
 
 
+def _check_json_log_path(path: str) -> None:
+    """--log-json names a file: its directory is created if missing; a directory, or a path under a file, is
+    refused naming the flag (open() failed after the model was built, with a traceback)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--log-json {path} is a directory: name a file in it, e.g. "
+                          f"{os.path.join(path, 'log.jsonl')}")
+    make_output_dir(os.path.dirname(os.path.abspath(path)), f"--log-json {path}")
+
+
 class IterationLogger:
     def __init__(self, cfg: MegacoatConfig, ctx: ParallelContext, device, precision: str,
                  peak_tflops: Optional[float], stream):
@@ -83,6 +92,8 @@ class IterationLogger:
         self._t0 = None
         self.trackers = tracker_for(cfg, self.enabled)  # W&B / TensorBoard (logging rank only)
         self.json_file = None  # opened by start(), once the iteration to start from is known
+        if self.enabled and cfg.logging.log_json:  # a bad path fails here, before training starts
+            _check_json_log_path(cfg.logging.log_json)
 
     def info(self, msg: str) -> None:
         if self.enabled:
@@ -92,9 +103,13 @@ class IterationLogger:
         """Training starts (or resumes) after `iteration`. A resumed run (--load) first drops the
         --log-json records of iterations after it: they came from steps that are being redone."""
         if self.enabled and self.cfg.logging.log_json and self.json_file is None:
-            if resuming:
-                drop_json_records_after(self.cfg.logging.log_json, iteration)
-            self.json_file = open(self.cfg.logging.log_json, "a")
+            path = self.cfg.logging.log_json
+            try:
+                if resuming:
+                    drop_json_records_after(path, iteration)
+                self.json_file = open(path, "a")
+            except OSError as e:
+                raise ConfigError(f"--log-json {path}: cannot write it ({e.strerror}); give a writable file") from None
         _sync(self.device)
         self._t0 = time.perf_counter()
 

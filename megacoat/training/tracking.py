@@ -58,6 +58,18 @@ class Trackers:
             self.tb_writer = None
 
 
+def make_output_dir(directory: str, flag: str) -> None:
+    """Create an output directory of `flag` (a missing one is made, as Megatron's writers do); a path that
+    cannot be a directory (a file, or under one) is refused naming the flag."""
+    try:
+        os.makedirs(directory or ".", exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{flag}: {directory} is a file, not a directory; choose another path") from None
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot create the directory {directory} ({e.strerror}: {e.filename}); give a "
+                          "writable path") from None
+
+
 def _start_wandb(cfg: MegacoatConfig):
     lg = cfg.logging
     try:
@@ -66,7 +78,7 @@ def _start_wandb(cfg: MegacoatConfig):
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb (or pip install "
                           "'megacoat[wandb]'); WANDB_MODE=offline logs without a network.") from e
     if lg.wandb_save_dir:
-        os.makedirs(lg.wandb_save_dir, exist_ok=True)
+        make_output_dir(lg.wandb_save_dir, f"--wandb-save-dir {lg.wandb_save_dir}")
     # A run that saves checkpoints keeps one W&B run id across restarts (preemption, requeue), so a
     # resumed job continues its curves; W&B ignores the records of iterations it already has.
     kw = {}
@@ -90,6 +102,7 @@ def _start_tensorboard(log_dir: str, cfg: MegacoatConfig):
     except ImportError as e:  # torch.utils.tensorboard imports the tensorboard package
         raise ConfigError(f"--tensorboard-dir {log_dir} needs the tensorboard package: pip install tensorboard "
                           "(or drop --tensorboard-dir).") from e
+    make_output_dir(log_dir, f"--tensorboard-dir {log_dir}")
     writer = SummaryWriter(log_dir=log_dir)
     writer.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```", 0)
     return writer
