@@ -402,10 +402,10 @@ MEGATRON_NO_OPS = {
     "--attention-softmax-in-fp32": (None, "attention's softmax runs inside scaled_dot_product_attention, whose fused "
                                           "GPU kernels accumulate it in fp32"),
     "--apply-query-key-layer-scaling": (None, "it changes only fp16 rounding, and megacoat trains in bf16 or fp32"),
-    "--no-bias-gelu-fusion": (None, "the same math either way; megacoat's layers are compiled as a whole "
-                                    "(--torch-compile)"),
-    "--no-bias-dropout-fusion": (None, "the same math either way; megacoat's layers are compiled as a whole "
-                                       "(--torch-compile)"),
+    "--no-bias-gelu-fusion": (None, "megacoat has no separate bias-GELU kernel (--torch-compile fuses whole "
+                                    "layers; --no-torch-compile turns that off)"),
+    "--no-bias-dropout-fusion": (None, "megacoat has no separate bias-dropout-add kernel (--torch-compile fuses "
+                                       "whole layers; --no-torch-compile turns that off)"),
     "--use-mcore-models": (None, "megacoat's GPT is laid out as megatron-core's, its only model"),
     "--transformer-impl": (("local", "transformer_engine"),
                            "megacoat has one layer implementation of its own (FP8 through --fp8-format); for "
