@@ -124,6 +124,17 @@ def test_a_fresh_run_never_writes_over_another_runs_checkpoints(tmp_path):
         assert {n: os.stat(os.path.join(save, n, "metadata.json")).st_mtime_ns for n in _iters(save)} == before
 
 
+def test_finetuning_into_its_source_directory_says_where_to_save(tmp_path):
+    save, other = str(tmp_path / "ckpt"), str(tmp_path / "tuned")
+    train(["--train-iters", "2", "--save", save])
+    with pytest.raises(CheckpointError) as e:  # iterations restart at 0 among the source run's checkpoints
+        train(["--train-iters", "2", "--finetune", "--load", save, "--save", save])
+    assert f"--finetune starts a new run at iteration 0 from the weights in {save}" in str(e.value)
+    assert "give --save another directory" in str(e.value)
+    trainer, _ = train(["--train-iters", "2", "--finetune", "--load", save, "--save", other])
+    assert _iters(other) == ["iter_0000002"] and _iters(save) == ["iter_0000002"]
+
+
 def test_retention_never_deletes_another_runs_checkpoint(tmp_path):
     """A checkpoint of another run, older than the one this run resumed from, stays."""
     other = str(tmp_path / "other")

@@ -309,18 +309,18 @@ class Checkpointer:
                     loaded_iteration = reader.iteration
                 self.log(f"loaded checkpoint {path} (iteration {reader.iteration}) in {time.time() - t0:.2f} s")
         if c.save:
-            resumed_here = loaded_iteration if _same_dir(c.load, c.save) else None
-            self._claim_save_dir(resumed_here)
+            same = _same_dir(c.load, c.save)
+            self._claim_save_dir(loaded_iteration if same else None, finetuned_here=same and loaded and c.finetune)
         return loaded
 
-    def _claim_save_dir(self, resumed_at: Optional[int]) -> None:
+    def _claim_save_dir(self, resumed_at: Optional[int], finetuned_here: bool = False) -> None:
         """Rank 0 locks --save and checks that it holds no other run's checkpoints this run could
         overwrite; every rank raises the same error when either fails."""
         error = None
         if self.ctx.rank == 0:
             try:
                 self.lock = SaveDirLock(self.cfg.save, self.run_id, self.log)
-                found = check_save_dir_is_ours(self.cfg.save, self.run_id, resumed_at)
+                found = check_save_dir_is_ours(self.cfg.save, self.run_id, resumed_at, finetuned_here)
                 self.own_iterations = {it for it, rid in found.items() if rid == self.run_id or it == resumed_at}
             except CheckpointError as e:
                 self.release()

@@ -111,15 +111,22 @@ def run_ids_of_checkpoints(save_dir: str) -> Dict[int, Optional[str]]:
     return out
 
 
-def check_save_dir_is_ours(save_dir: str, run_id: str, resumed_at: Optional[int]) -> Dict[int, Optional[str]]:
+def check_save_dir_is_ours(save_dir: str, run_id: str, resumed_at: Optional[int],
+                           finetuned_here: bool = False) -> Dict[int, Optional[str]]:
     """Refuse a --save directory whose checkpoints of another run this run could overwrite; returns
     its {iteration: run id}. `resumed_at`: the iteration this run loaded from `save_dir` (None when it
-    did not load from there). Another run's checkpoints older than that are left alone."""
+    did not load from there). Another run's checkpoints older than that are left alone.
+    `finetuned_here`: this run loaded `save_dir`'s weights under --finetune (a new run from iteration 0)."""
     found = run_ids_of_checkpoints(save_dir)
     foreign = sorted(it for it, rid in found.items()
                      if rid != run_id and (resumed_at is None or it > resumed_at))
     if foreign:
         shown = ", ".join(map(str, foreign[-4:]))
+        if finetuned_here:
+            raise CheckpointError(
+                f"--finetune starts a new run at iteration 0 from the weights in {save_dir}, whose checkpoints "
+                f"(iteration {shown}) its saves would overwrite or hide: give --save another directory (--load "
+                f"{save_dir} stays as it is)")
         how = (f"Pass --load {save_dir} to continue that run" if resumed_at is None else
                f"Move them away or pass --load {save_dir} (its newest checkpoint) to continue that run")
         raise CheckpointError(
