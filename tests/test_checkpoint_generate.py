@@ -58,3 +58,20 @@ def test_bad_flags_and_prompts_are_named(checkpoint, capsys, flags, message):
     assert GEN["main"](["--load", checkpoint, "--max-new-tokens", "2"] + flags) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_load_model_takes_a_dtype_or_its_name(tmp_path):
+    import pytest
+
+    import megacoat
+    from test_checkpoint_resume import train
+    save = str(tmp_path / "ckpt")
+    train(["--train-iters", "1", "--save", save])
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = megacoat.load_model(save, dtype=torch.bfloat16)(tokens)
+    for name in ("bf16", "BFloat16"):
+        got = megacoat.load_model(save, dtype=name)
+        assert next(got.parameters()).dtype == torch.bfloat16 and torch.equal(got(tokens), want)
+    for bad in ("int8", torch.int64, 3):
+        with pytest.raises(ValueError, match="load_model: dtype"):
+            megacoat.load_model(save, dtype=bad)
