@@ -321,6 +321,10 @@ def test_foreign_directories_given_as_megacoat_checkpoints_are_named(tmp_path, c
         _one_line_error(capsys, f"--load-format {fmt} --load-dir {path}")
         with pytest.raises(CheckpointError, match=f"--load-format {fmt}"):
             megacoat.load_model(str(path))
+        # pretrain_gpt.py --load: refused too, not "no checkpoint yet: starting from scratch"
+        from test_save_ownership import train
+        with pytest.raises(CheckpointError, match=f"{path}.* is .*--load-format {fmt}"):
+            train(["--train-iters", "1", "--load", str(path)])
 
 
 def _snapshot(d):
