@@ -319,6 +319,20 @@ class MegacoatConfig:
 SECTIONS = [f.name for f in dataclasses.fields(MegacoatConfig)]
 
 
+def int_at_least(minimum: int):
+    """An argparse type for the tools' counts: an integer of at least `minimum`, else argparse's one-line error
+    (0 workers would run none or silently one; --top 0 would print nothing)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.checkpoint.format import write_file_atomic  # noqa: E402
-from megacoat.config import ConfigError, parse_args  # noqa: E402
+from megacoat.config import ConfigError, int_at_least, parse_args  # noqa: E402
 from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware  # noqa: E402
 from megacoat.training.layout_search import (COMMS, RECIPES, STATES, command_line, distinct,  # noqa: E402
                                              no_fit_message, preferred, search)
@@ -49,24 +49,13 @@ LINKS_GBPS = (25, 100, 400)
 METHODS = {"bf16": (["bf16"], ["fp32"]), "COAT": (["coat"], ["fp8"])}
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: --top 0 printed no configuration, --top -1 all but the slowest."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
-    ap.add_argument("--top", type=_positive_int, default=5, help="how many configurations to print (default 5)")
+    ap.add_argument("--top", type=int_at_least(1), default=5, help="how many configurations to print (default 5)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"recipes searched (default {','.join(RECIPES)})")
     ap.add_argument("--states", default=",".join(STATES), help=f"optimizer-state formats (default {','.join(STATES)})")
     ap.add_argument("--comm", default=",".join(COMMS), help=f"data-parallel options (default {','.join(COMMS)})")
-    ap.add_argument("--max-micro-batch", type=_positive_int, default=16, help="largest micro-batch tried (default 16)")
+    ap.add_argument("--max-micro-batch", type=int_at_least(1), default=16, help="largest micro-batch tried (default 16)")
     ap.add_argument("--no-recompute", action="store_true", help="do not try full recomputation")
     ap.add_argument("--scaling-table", action="store_true", help="write docs/planner.md's scaling study")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "planner.md"), help="--scaling-table: the page")

@@ -23,6 +23,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megacoat.config import int_at_least  # noqa: E402
+
 
 @dataclass
 class Run:
@@ -249,25 +252,14 @@ def run_names(specs: List[str]) -> List[Tuple[str, str]]:
     return [(name, path) for name, path, _ in runs]
 
 
-def positive_int(text: str) -> int:
-    """argparse type: --final-window 0 averaged every value, --seq-length -4 gave negative tokens."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", help="--log-json files, optionally NAME=PATH")
     ap.add_argument("--out", required=True, help="PNG to write")
-    ap.add_argument("--smooth", type=positive_int, default=1, help="moving-average window for the training loss")
-    ap.add_argument("--final-window", type=positive_int, default=10,
+    ap.add_argument("--smooth", type=int_at_least(1), default=1, help="moving-average window for the training loss")
+    ap.add_argument("--final-window", type=int_at_least(1), default=10,
                     help="logged values averaged for the final train loss")
-    ap.add_argument("--seq-length", type=positive_int, default=None, help="for logs without consumed_tokens")
+    ap.add_argument("--seq-length", type=int_at_least(1), default=None, help="for logs without consumed_tokens")
     args = ap.parse_args(argv)
     out = output_path(args.out)
     runs = [read_run(name, path, args.seq_length) for name, path in run_names(args.logs)]

@@ -21,22 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megacoat.config import int_at_least  # noqa: E402
 from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, empty_output_warning,  # noqa: E402
                                          expand_inputs, preprocess)
 from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
-
-
-def count(minimum: int):
-    """argparse type: an integer of at least `minimum` (0 workers would run none, or silently one)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
 
 
 def parse_args(argv=None):
@@ -59,8 +47,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="Writes {prefix}_{key}_document.bin/.idx.")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=count(1), default=1, help="Tokenizer processes.")
-    g.add_argument("--log-interval", type=count(0), default=1000,
+    g.add_argument("--workers", type=int_at_least(1), default=1, help="Tokenizer processes.")
+    g.add_argument("--log-interval", type=int_at_least(0), default=1000,
                    help="Documents between progress lines when stderr is not a terminal (0: none).")
     g.add_argument("--no-progress-bar", action="store_true", help="Print progress lines instead of a bar.")
     return p.parse_args(argv)
