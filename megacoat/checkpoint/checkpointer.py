@@ -26,9 +26,9 @@ from .collect import GROUP_SIZE, MODEL_KIND, OPTIM_PREFIX, collect_pieces, held_
 from .ownership import SaveDirLock, check_save_dir_is_ours, new_run_id
 from .retention import prune_checkpoints
 from .format import (METADATA_FILE, TOKENIZER_DIR, TRACKER_FILE, CheckpointError, complete_iterations,
-                     copy_file_durably, fsync_dir, resolve_checkpoint_dir)
+                     copy_file_durably, foreign_format_hint, fsync_dir, resolve_checkpoint_dir)
 from .layout import layout_of_parameter
-from .reader import CheckpointReader, foreign_format_hint
+from .reader import CheckpointReader
 from .writer import (BackgroundWrite, HostSnapshot, RankSave, commit, piece_records, plan_offsets,
                      prepare_partial_dir, raise_if_any_failed, rank_file_path, write_pieces)
 
@@ -55,13 +55,7 @@ def find_checkpoint(load: str, save: Optional[str], log: Optional[Callable[[str]
     empty = not os.path.isdir(load) or not (os.path.exists(os.path.join(load, TRACKER_FILE))
                                             or os.path.exists(os.path.join(load, METADATA_FILE))
                                             or complete_iterations(load))
-    foreign = foreign_format_hint(load)  # a Hugging Face model or Megatron-LM checkpoint: name it, with the conversion
-    if foreign and (empty or not os.path.exists(os.path.join(load, METADATA_FILE))):
-        try:
-            return resolve_checkpoint_dir(load, log)  # megacoat's own checkpoints beside foreign files load
-        except CheckpointError:
-            raise CheckpointError(f"--load {load} is {foreign}") from None
-    if empty and _same_dir(load, save):
+    if empty and _same_dir(load, save) and foreign_format_hint(load) is None:
         return None  # first launch of a run that saves and resumes from the same directory
     return resolve_checkpoint_dir(load, log)
 

@@ -86,6 +86,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """Flush a written file to disk (before a rename publishes it)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def copy_file_durably(src: str, dst: str) -> None:
     """Copy and fsync: the copy is on disk before anything that refers to it is published."""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
@@ -186,7 +192,18 @@ def complete_iterations(save_dir: str) -> List[int]:
 def resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]] = None) -> str:
     """`load_dir` may be a save directory (with a tracker) or one iteration's directory. A save
     directory whose tracker is missing (a crash between publishing a checkpoint and writing the
-    tracker, or a copy without it) loads its newest complete checkpoint, and says so through `log`."""
+    tracker, or a copy without it) loads its newest complete checkpoint, and says so through `log`.
+    A Hugging Face model or a Megatron-LM checkpoint given instead is named, with its conversion."""
+    try:
+        return _resolve_checkpoint_dir(load_dir, log)
+    except CheckpointError:
+        foreign = foreign_format_hint(load_dir)
+        if foreign:
+            raise CheckpointError(f"{load_dir} is {foreign}") from None
+        raise
+
+
+def _resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]]) -> str:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check --load")
     if os.path.exists(os.path.join(load_dir, METADATA_FILE)):
@@ -209,3 +226,24 @@ def resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]] =
         raise CheckpointError(f"the tracker in {load_dir} names iteration {iteration} but {path} does not exist; "
                               f"edit {TRACKER_FILE} to name an existing iter_* directory")
     return path
+
+
+_CONVERT = "tools/checkpoint/convert.py"
+
+
+def foreign_format_hint(path: str) -> Optional[str]:
+    """What `path` is when it is not a megacoat checkpoint but a format the converter reads (a Hugging
+    Face model, a Megatron-LM checkpoint or one of its iterations), with the command that converts it."""
+    if not os.path.isdir(path):
+        return None
+    names = set(os.listdir(path))
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin", ".safetensors.index.json")) for n in names):
+        return (f"a Hugging Face model directory, not a megacoat checkpoint: convert it first with {_CONVERT} "
+                f"--load-format hf --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
+    iteration_dirs = [os.path.join(path, n) for n in names if n == "release" or n.startswith("iter_")]
+    for d in [path] + [d for d in iteration_dirs if os.path.isdir(d)]:
+        inside = os.listdir(d)
+        if ".metadata" in inside or any(n.startswith("mp_rank_") for n in inside):
+            return (f"a Megatron-LM checkpoint, not a megacoat one: convert it first with {_CONVERT} "
+                    f"--load-format megatron --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
+    return None

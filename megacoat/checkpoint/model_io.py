@@ -13,22 +13,15 @@ from ..model.gpt import GPTModel, padded_vocab_size
 from ..model.transformer import LayerContext
 from .checkpointer import load_model_weights
 from .collect import MODEL_KIND, Piece, dtype_name
-from .format import CheckpointError, resolve_checkpoint_dir
+from .format import CheckpointError, iteration_dir_name, resolve_checkpoint_dir
 from .layout import VOCAB_PARAMETERS, TensorLayout, layout_of_parameter
-from .reader import CheckpointReader, foreign_format_hint
+from .reader import CheckpointReader
 from .writer import RankSave, piece_records, plan_offsets, prepare_partial_dir, publish, rank_file_path, write_pieces
 
 
 def open_checkpoint(checkpoint_dir: str) -> CheckpointReader:
-    """A reader of a save directory's current checkpoint or of one iteration's directory; a Hugging Face
-    or Megatron-LM directory given instead is named as such, with the command that converts it."""
-    try:
-        return CheckpointReader(resolve_checkpoint_dir(checkpoint_dir))
-    except CheckpointError:
-        foreign = foreign_format_hint(checkpoint_dir)
-        if foreign:
-            raise CheckpointError(f"{checkpoint_dir} is {foreign}") from None
-        raise
+    """A reader of a save directory's current checkpoint or of one iteration's directory."""
+    return CheckpointReader(resolve_checkpoint_dir(checkpoint_dir))
 
 
 def model_config_of(reader: CheckpointReader) -> ModelConfig:
@@ -117,7 +110,7 @@ def write_model_checkpoint(save_dir: str, m: ModelConfig, vocab_size: int, tenso
     metadata = {"config": cfg.to_dict(), "parallel": {"world_size": tp, "tp": tp, "pp": 1, "dp": 1},
                 "vocab_size": vocab_size, "padded_vocab_size": padded}
     publish(save_dir, iteration, contributions, common, metadata, extra_files)
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
+    return os.path.join(save_dir, iteration_dir_name(iteration))
 
 
 def _parameter_skeleton(m: ModelConfig, vocab_size: int):

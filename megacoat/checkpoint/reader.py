@@ -16,7 +16,7 @@ import torch
 
 from .collect import MODEL_KIND, OPTIM_PREFIX, dtype_from_name
 from .format import (COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError, checksum_threads,
-                     chunk_crc_futures, crc32_of)
+                     chunk_crc_futures, crc32_of, foreign_format_hint)
 from .layout import TensorLayout
 
 
@@ -196,27 +196,6 @@ class CheckpointReader:
             if os.path.getsize(path) < size:
                 raise CheckpointError(f"shard {path} is truncated ({os.path.getsize(path)} < {size} bytes); "
                                       "the checkpoint is corrupted")
-
-
-_CONVERT = "tools/checkpoint/convert.py"
-
-
-def foreign_format_hint(path: str) -> Optional[str]:
-    """What `path` is when it is not a megacoat checkpoint but a format the converter reads (a Hugging
-    Face model, a Megatron-LM checkpoint or one of its iterations), with the command that converts it."""
-    if not os.path.isdir(path):
-        return None
-    names = set(os.listdir(path))
-    if "config.json" in names and any(n.endswith((".safetensors", ".bin", ".safetensors.index.json")) for n in names):
-        return (f"a Hugging Face model directory, not a megacoat checkpoint: convert it first with {_CONVERT} "
-                f"--load-format hf --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
-    iteration_dirs = [os.path.join(path, n) for n in names if n == "release" or n.startswith("iter_")]
-    for d in [path] + [d for d in iteration_dirs if os.path.isdir(d)]:
-        inside = os.listdir(d)
-        if ".metadata" in inside or any(n.startswith("mp_rank_") for n in inside):
-            return (f"a Megatron-LM checkpoint, not a megacoat one: convert it first with {_CONVERT} "
-                    f"--load-format megatron --load-dir {path} --save-format megacoat --save-dir NEW_DIR")
-    return None
 
 
 def _rank_of(file_name: str) -> Optional[int]:

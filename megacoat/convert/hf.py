@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, resolve_checkpoint_dir
+from ..checkpoint.format import TOKENIZER_DIR, CheckpointError, iteration_dir_name, resolve_checkpoint_dir
 from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig
 from . import hf_gpt2, hf_llama
@@ -106,7 +106,7 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     if has_tokenizer:
         check_tokenizer_fits(hf_dir, vocab_size)
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
-        cfg.data.tokenizer_model = os.path.abspath(os.path.join(save_dir, f"iter_{0:07d}", TOKENIZER_DIR))
+        cfg.data.tokenizer_model = os.path.abspath(os.path.join(save_dir, iteration_dir_name(0), TOKENIZER_DIR))
     else:  # ids only; vocab_size is the embedding's row count
         cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", vocab_size - 1
 

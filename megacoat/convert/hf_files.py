@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import torch
 
-from ..checkpoint.format import CheckpointError, fsync_dir
+from ..checkpoint.format import CheckpointError, fsync_dir, fsync_file
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -178,7 +178,7 @@ def staged_hf_dir(save_dir: str, replaced: List[str]) -> Iterator[str]:
             yield stage
             written = sorted(os.listdir(stage))
             for name in written:
-                _fsync_file(os.path.join(stage, name))
+                fsync_file(os.path.join(stage, name))
         except OSError as e:
             raise CheckpointError(f"writing the model into {stage} failed ({e.strerror}: {e.filename}); {save_dir} "
                                   "is as it was: free space or fix permissions and convert again") from None
@@ -197,7 +197,3 @@ def staged_hf_dir(save_dir: str, replaced: List[str]) -> Iterator[str]:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())

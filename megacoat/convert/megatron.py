@@ -22,7 +22,7 @@ import torch
 
 from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
 from ..checkpoint.collect import MODEL_KIND
-from ..checkpoint.format import CheckpointError
+from ..checkpoint.format import CheckpointError, iteration_dir_name
 from ..checkpoint.model_io import model_config_of, open_checkpoint, write_model_checkpoint
 from ..config import MegacoatConfig
 from .megatron_dist import is_dist_format, read_dist_checkpoint
@@ -146,7 +146,7 @@ def megatron_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, dtype: Optio
     if tok is None:
         cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", vocab - 1
     else:
-        point_at_tokenizer_copy(cfg.data, tok, os.path.join(save_dir, f"iter_{iteration:07d}"))
+        point_at_tokenizer_copy(cfg.data, tok, os.path.join(save_dir, iteration_dir_name(iteration)))
 
     source = {"megatron_format": fmt, "megatron_transformer_impl": spec}  # read back by megacoat_to_megatron
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..checkpoint.format import CheckpointError, fsync_dir, replace_directory, write_file_atomic
+from ..checkpoint.format import CheckpointError, fsync_dir, fsync_file, replace_directory, write_file_atomic
 from .megatron_model import EXTRA_STATE, LAYER_KEY, local_to_te, merge_tp, split_tp, te_to_local
 from .megatron_pickle import load_torch_file
 
@@ -170,8 +170,7 @@ def write_torch_checkpoint(save_dir: str, full: Dict[str, torch.Tensor], num_lay
             torch.save(state, os.path.join(rank_dir, FILE))
     for root, _, files in os.walk(iter_dir):
         for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(os.path.join(root, f))
         fsync_dir(root)
     if os.path.exists(final_dir):  # the old directory stays whole until the new one takes its place
         replace_directory(iter_dir, final_dir, os.path.join(save_dir, f".{name}.replaced"))

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
+from ..checkpoint.format import iteration_dir_name
 from ..checkpoint.model_io import load_tokenizer, read_model_tensors, write_model_checkpoint
 from ..config import MegacoatConfig, config_from_dict
 from .target import cast_weights, check_checkpoint_target, check_target_pp, check_target_tp
@@ -28,7 +29,7 @@ def megacoat_to_megacoat(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
     cfg = MegacoatConfig()
     cfg.data = config_from_dict({"data": (meta.get("config") or {}).get("data", {})}).data  # the tokenizer flags
     if tokenizer is not None:
-        point_at_tokenizer_copy(cfg.data, tokenizer, os.path.join(save_dir, "iter_0000000"))
+        point_at_tokenizer_copy(cfg.data, tokenizer, os.path.join(save_dir, iteration_dir_name(0)))
 
     def carried(partial: str) -> dict:
         out = copy_tokenizer(tokenizer, partial) if tokenizer is not None else {}
