@@ -234,6 +234,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
         recipes = ["fp32"]
     res = SearchResult([])
     cache: dict = {}
+    stage_plans = plans_cache if plans_cache is not None else {}  # one dry run per layout
     for tp, pp, vp in _layouts(base, world, fixed, res.invalid):
         dp = world // (tp * pp)
         par = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -261,11 +262,9 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
                 tp0 = time.perf_counter()
                 try:
                     key = (world, vocab_size, repr(layout))
-                    if plans_cache is None or key not in plans_cache:
-                        plans0 = plan_stages(layout, world, vocab_size, GPU)
-                        if plans_cache is not None:
-                            plans_cache[key] = plans0
-                    plans0 = plans_cache[key] if plans_cache is not None else plans0
+                    if key not in stage_plans:
+                        stage_plans[key] = plan_stages(layout, world, vocab_size, GPU)
+                    plans0 = stage_plans[key]
                 except ConfigError as e:
                     res.invalid.append(f"TP {tp} PP {pp}{f' vp layers {vp}' if vp else ''}: {e}")
                     continue
