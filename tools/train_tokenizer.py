@@ -11,11 +11,10 @@ The model has unk 0, bos 1, eos 2 (end of document), pad 3. By default it is los
 import argparse
 import os
 import sys
-from typing import Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, batches, expand_inputs,  # noqa: E402
+from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, BadLines, batches, expand_inputs,  # noqa: E402
                                          parse_record, read_records)
 from megacoat.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
@@ -39,35 +38,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class SkippedLines:
-    """Malformed lines skipped under --skip-bad-lines: the first few are shown (as preprocess_data.py does),
-    all are counted."""
-    SHOWN = 10
-
-    def __init__(self):
-        self.count = 0
-
-    def skip(self, error: BadInputError) -> None:
-        self.count += 1
-        if self.count <= self.SHOWN:
-            print(f"skipping bad line: {error}", file=sys.stderr)
-
-
-def texts(files, input_format, json_keys, skipped: Optional[SkippedLines]):
-    """The texts of the records; a malformed one stops the run, or with `skipped` is counted there."""
+def texts(files, input_format, json_keys, bad_lines: BadLines):
+    """The texts of the records; a malformed one goes to `bad_lines` (which stops the run or counts it)."""
     for batch in batches(read_records(files, input_format)):
         for record in batch:
             try:
                 yield from parse_record(record, input_format, json_keys).values()
             except BadInputError as e:
-                if skipped is None:
-                    raise BadInputError(f"{e}\n(pass --skip-bad-lines to skip malformed lines)") from None
-                skipped.skip(e)
+                bad_lines(str(e))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    skipped = SkippedLines() if args.skip_bad_lines else None
+    bad_lines = BadLines(args.skip_bad_lines, lambda message: print(message, file=sys.stderr))
     try:
         files = expand_inputs(args.input, args.input_suffix)
         if not files:
@@ -78,14 +61,14 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         try:
-            train_sentencepiece(texts(files, args.input_format, args.json_keys, skipped), args.output_model,
+            train_sentencepiece(texts(files, args.input_format, args.json_keys, bad_lines), args.output_model,
                                 vocab_size=args.vocab_size, model_type=args.model_type,
                                 character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
                                 byte_budget=args.max_input_bytes, num_threads=args.threads,
                                 lossless=not args.normalize)
         finally:  # before an error: every line skipped is a reason for "no text to train on"
-            if skipped is not None and skipped.count:
-                print(f"skipped {skipped.count} bad line(s)", file=sys.stderr)
+            if bad_lines.count and bad_lines.skip:
+                print(f"skipped {bad_lines.count} bad line(s)", file=sys.stderr)
     except (BadInputError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -138,6 +138,22 @@ def read_records(files: Sequence[str], input_format: str) -> Iterator[Record]:
                 yield dataclasses.replace(held, file_bytes=held.file_bytes + os.path.getsize(path) - done)
 
 
+class BadLines:
+    """Malformed lines: without --skip-bad-lines the first one stops the run (its error says how to skip);
+    with it each is counted and the first SHOWN are reported."""
+    SHOWN = 10
+
+    def __init__(self, skip: bool, report: Callable[[str], None]):
+        self.skip, self.report, self.count = skip, report, 0
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        if not self.skip:
+            raise BadInputError(f"{message}\n(pass --skip-bad-lines to skip malformed lines)")
+        if self.count <= self.SHOWN:
+            self.report(f"skipping bad line: {message}")
+
+
 def _where(record: Record) -> str:
     return f"{record.path}:{record.line}" if record.line else record.path
 
@@ -373,18 +389,15 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
 
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                    file=sys.stderr, mininterval=0.5)
-    docs = bad = tokens = seen_bytes = 0
+    docs = tokens = seen_bytes = 0
+    bad_lines = BadLines(skip_bad_lines, report)
     next_log = log_interval
     t0 = time.perf_counter()
     try:
         for result in ordered_parallel_map(spec, batches(read_records(files, input_format)), workers):
             for doc in result.documents:
                 if isinstance(doc, str):
-                    bad += 1
-                    if not skip_bad_lines:
-                        raise BadInputError(f"{doc}\n(pass --skip-bad-lines to skip malformed lines)")
-                    if bad <= 10:
-                        report(f"skipping bad line: {doc}")
+                    bad_lines(doc)
                     continue
                 for key, ids in doc.items():
                     builders[key].add_document(ids, [len(ids)] if len(ids) else [])
@@ -409,9 +422,9 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     finally:
         if bar is not None:
             bar.close()
-    if bad:
-        report(f"skipped {bad} bad line(s)")
-    return PreprocessResult(prefixes, docs, bad, seen_bytes, tokens, time.perf_counter() - t0)
+    if bad_lines.count:
+        report(f"skipped {bad_lines.count} bad line(s)")
+    return PreprocessResult(prefixes, docs, bad_lines.count, seen_bytes, tokens, time.perf_counter() - t0)
 
 
 def empty_output_warning(result: PreprocessResult) -> Optional[str]:
