@@ -275,8 +275,11 @@ def _col(key: str, title: str, fmt: str) -> Dict[str, str]:
     return {"key": key, "title": title, "fmt": fmt}
 
 
+# MFU as the training log prints it: against the dense peak of the format the run's GEMMs use (bf16, or FP8
+# for the FP8 recipes and torchao's float8), so an FP8 run's MFU is not inflated by the faster format.
+MFU_TITLE = "MFU (of the bf16 / FP8 peak)"
 SPEED_COLUMNS = [_col("label", "method", "text"), _col("tokens_per_s", "tokens/s", "int"),
-                 _col("vs_bf16", "vs bf16", "ratio"), _col("tflops", "TFLOP/s", "float1"), _col("mfu", "MFU", "pct1"),
+                 _col("vs_bf16", "vs bf16", "ratio"), _col("tflops", "TFLOP/s", "float1"), _col("mfu", MFU_TITLE, "pct1"),
                  _col("peak_gib", "peak GiB", "gib")]
 
 
@@ -467,7 +470,13 @@ D_PAIRS = (("megacoat-bf16", "plain"), ("megacoat-tensorwise", "torchao-tensorwi
            ("megacoat-coat", "torchao-tensorwise"), ("megacoat-coat", "torchao-rowwise"))
 
 
+def _system(run: dict) -> str:
+    """A table-d row's name: megacoat's rows say so beside the peers'."""
+    return f"megacoat {run['label']}" if run["kind"] == "megacoat" else run["label"]
+
+
 def analyse_table_d(parts: Dict[str, dict]) -> dict:
+    from megacoat.training.throughput import HOPPER_PEAK_TFLOPS  # the peaks the training log's MFU uses
     sections, targets = [], []
     for p in TABLE_D_PARTS:
         part = parts.get(p.name)
@@ -479,24 +488,28 @@ def analyse_table_d(parts: Dict[str, dict]) -> dict:
         rows = []
         for r in (part or {}).get("runs", []):
             m = r.get("metrics") or {}
-            tflops = m.get("tflops") if r["kind"] == "megacoat" else (
-                m["tokens_per_s"] * per_token if per_token and m.get("tokens_per_s") else None)
+            if r["kind"] == "megacoat":
+                tflops, mfu = m.get("tflops"), m.get("mfu")
+            else:
+                tflops = m["tokens_per_s"] * per_token if per_token and m.get("tokens_per_s") else None
+                peak = HOPPER_PEAK_TFLOPS["fp8" if "--float8" in r.get("command", "") else "bf16"]
+                mfu = tflops / peak if tflops else None
             vs = [f"{_ratio(m.get('tokens_per_s'), _metric(runs.get(peer), 'tokens_per_s')):.3f}x {runs[peer]['label']}"
                   for mine, peer in D_PAIRS if mine == r["name"] and _metric(runs.get(peer), "tokens_per_s")
                   and m.get("tokens_per_s")]
-            rows.append({"label": r["label"] + ("" if m else f" ({r.get('outcome', 'failed')})"),
+            rows.append({"label": _system(r) + ("" if m else f" ({r.get('outcome', 'failed')})"),
                          "tokens_per_s": m.get("tokens_per_s"), "tflops": tflops,
-                         "mfu": tflops / 989.0 if tflops else None, "peak_gib": m.get("peak_gib"),
+                         "mfu": mfu, "peak_gib": m.get("peak_gib"),
                          "vs": "; ".join(vs)})
         for mine, peer in D_PAIRS:
             a, b = runs.get(mine), runs.get(peer)
             ratio = _ratio(_metric(a, "tokens_per_s"), _metric(b, "tokens_per_s"))
             if ratio is not None:
-                targets.append(_target(f"{p.name}-{mine}-vs-{peer}", f"{SHAPES[p.name].label}: {a['label']} / "
+                targets.append(_target(f"{p.name}-{mine}-vs-{peer}", f"{SHAPES[p.name].label}: {_system(a)} / "
                                        f"{b['label']} tokens/s", ratio, 1.0, ">=", p.name, "x"))
         sections.append({"key": p.name, "title": p.about.split(":")[0], "part": p.name, "rows": rows, "columns": [
             _col("label", "system", "text"), _col("tokens_per_s", "tokens/s", "int"),
-            _col("tflops", "TFLOP/s (megacoat's FLOP count)", "float1"), _col("mfu", "MFU", "pct1"),
+            _col("tflops", "TFLOP/s (megacoat's FLOP count)", "float1"), _col("mfu", MFU_TITLE, "pct1"),
             _col("peak_gib", "peak GiB", "gib"), _col("vs", "megacoat / peer", "text")]})
     plots = [_bars("tokens_per_s.png", "tokens/s: megacoat and its peers (one GPU)", "tokens/s", sections,
                    "tokens_per_s"),

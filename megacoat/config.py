@@ -268,7 +268,7 @@ class TrainingConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = _f(10, "Print the iteration line every this many iterations.")
-    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device used for MFU. Default: 989 (H100/H200 SXM dense bf16) on Hopper, else MFU is not printed.")
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device used for MFU. Default on Hopper: the dense peak of the GEMMs' format (989 bf16, 1979 FP8 with --fp8-format), else MFU is not printed.")
     wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project (needs `pip install wandb`).")
     wandb_exp_name: Optional[str] = _f(None, "W&B run name.")
     wandb_entity: Optional[str] = _f(None, "W&B entity (team or user) that owns the project.")

@@ -346,20 +346,26 @@ def test_table_c2_ablations_must_be_worse_than_their_method():
 
 
 def test_table_d_counts_peer_flops_with_megacoats_formula():
-    def run(name, kind, tps, tflops=None):
-        return {"name": name, "label": name, "kind": kind, "metrics": {"tokens_per_s": tps, "tflops": tflops,
-                                                                       "peak_gib": 30.0}}
+    def run(name, kind, tps, tflops=None, mfu=None, command="", label=None):
+        return {"name": name, "label": label or name, "kind": kind, "command": command,
+                "metrics": {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_gib": 30.0}}
 
-    parts = {"1p36b": {"runs": [run("megacoat-bf16", "megacoat", 50000.0, 450.0),
+    parts = {"1p36b": {"runs": [run("megacoat-bf16", "megacoat", 50000.0, 450.0, mfu=0.455, label="bf16"),
                                 run("plain", "peer", 40000.0, 999.0),
+                                run("torchao-tensorwise", "peer", 45000.0, command="python x.py --float8 tensorwise"),
                                 {"name": "torchao-rowwise", "label": "torchao-rowwise", "kind": "peer",
                                  "metrics": None, "outcome": "skipped: torchao does not import here"}]}}
     d = spec.analyse_table_d(parts)
     rows = {r["label"].split(" (")[0]: r for r in d["sections"][0]["rows"]}
     assert rows["plain"]["tflops"] == pytest.approx(40000.0 * 450.0 / 50000.0)
-    assert rows["megacoat-bf16"]["vs"] == "1.250x plain"
-    assert "skipped: torchao" in d["sections"][0]["rows"][2]["label"]
+    # MFU as the training log has it: megacoat's own figure; a peer's against its GEMM format's peak
+    assert rows["megacoat bf16"]["mfu"] == 0.455
+    assert rows["plain"]["mfu"] == pytest.approx(40000.0 * 450.0 / 50000.0 / 989.0)
+    assert rows["torchao-tensorwise"]["mfu"] == pytest.approx(45000.0 * 450.0 / 50000.0 / 1979.0)
+    assert rows["megacoat bf16"]["vs"] == "1.250x plain"
+    assert "skipped: torchao" in d["sections"][0]["rows"][3]["label"]
     assert [t["value"] for t in d["targets"]] == [pytest.approx(1.25)]
+    assert d["targets"][0]["what"].startswith("1.36B: megacoat bf16 / plain")
 
 
 def test_markdown_table_formats_and_escapes():
