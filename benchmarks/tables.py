@@ -37,7 +37,7 @@ from provenance import ROOT  # noqa: E402
 from tables_env import describe, gpus, hardware_name, utc_date  # noqa: E402
 from tables_render import readme, sections_markdown, targets_table, write_plots  # noqa: E402
 from tables_run import (Context, build_code_corpus, build_extensions, command_line, corpus_command,  # noqa: E402
-                        execute, gpu_capacity_gib, run_process, run_search, setup_torchao, shell)
+                        execute, gpu_capacity_gib, run_process, run_search, setup_torchao, shell, unsteady_runs)
 from tables_spec import TABLES, Part, Table, with_steps, with_steps_search  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -281,6 +281,7 @@ def merge(table: Table, out: str) -> Tuple[dict, Dict[str, dict]]:
                          "seconds": p["seconds"], "status": p["status"], "command": p["environment"]["command"]}
                   for name, p in parts.items()},
         "missing_parts": [p.name for p in table.parts if p.name not in parts],
+        "checks": unsteady_runs(parts, out) if table.speed else [],
         **analysis,
     }
     corpora = {p["prepare"]["corpus"]["fingerprint"] for p in parts.values() if p.get("prepare", {}).get("corpus")}
@@ -392,6 +393,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\n" + targets_table(merged["targets"]))
     for w in merged.get("warnings", []):
         print(f"warning: {w}", file=sys.stderr)
+    for c in merged.get("checks", []):
+        print(f"check: {c}", file=sys.stderr)
     if merged["missing_parts"]:
         print(f"\nparts not written yet: {', '.join(merged['missing_parts'])}")
     if failed:

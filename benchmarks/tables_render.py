@@ -96,6 +96,8 @@ def readme(merged: dict, parts: Dict[str, dict]) -> str:
     lines += ["", sections_markdown(merged, "##")]
     if merged["targets"]:
         lines += ["", "## Targets", "", merged.get("targets_note", ""), "", targets_table(merged["targets"])]
+    if merged.get("checks"):
+        lines += ["", "## Checks", ""] + [f"- {c}." for c in merged["checks"]]
     images = [p["file"] for p in merged["plots"] if p.get("written")]
     if images:
         lines += ["", "## Plots", ""] + [f"![{f[:-4].replace('_', ' ')}]({f})" for f in images]
@@ -137,6 +139,8 @@ def docs_block(merged: dict, link: str, images: List[str]) -> str:
     lines += ["", sections_markdown(merged, "####")]
     if merged["targets"]:
         lines += ["", f"Targets. {merged.get('targets_note', '')}", "", targets_table(merged["targets"])]
+    if merged.get("checks"):
+        lines += [""] + [f"Check: {c}." for c in merged["checks"]]
     if images:
         lines += [""] + [f"![{f[:-4].replace('_', ' ')}]({link}/{f})" for f in images]
     lines += ["", f"Reproduce: `python benchmarks/tables.py {merged['table']}` (parts: "

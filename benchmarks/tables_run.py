@@ -117,6 +117,35 @@ def summarise_log(records: List[dict], warmup_iters: int, final_window: int = 5)
     }
 
 
+# A run whose logged intervals after warm-up differ by more than this is flagged: its mean hides a stall (a
+# compile-cache miss, another process) that a second measurement would not repeat.
+UNSTEADY = 0.05
+
+
+def interval_spread(records: List[dict], intervals: int) -> Optional[Tuple[float, float]]:
+    """(slowest, fastest) tokens/s of the last `intervals` logged intervals (those summarise_log averaged)."""
+    rates = [r["tokens_per_s"] for r in records if "lm_loss" in r and "tokens_per_s" in r][-intervals:]
+    rates = [v for v in rates if v is not None and math.isfinite(v) and v > 0]
+    return (min(rates), max(rates)) if len(rates) >= 2 else None
+
+
+def unsteady_runs(parts: Dict[str, dict], out: str) -> List[str]:
+    """One line for each megacoat run in `parts` whose averaged intervals differ by more than UNSTEADY, read
+    from its raw log in the result folder `out`."""
+    lines = []
+    for name, part in parts.items():
+        for run in part.get("runs", []):
+            m = run.get("metrics") or {}
+            if run.get("kind") != "megacoat" or not run.get("log_json") or not m.get("intervals"):
+                continue
+            spread = interval_spread(read_json_lines(os.path.join(out, run["log_json"])), m["intervals"])
+            if spread and spread[1] / spread[0] - 1 > UNSTEADY:
+                lines.append(f"`{name}` / `{run['name']}`: the intervals it averages range from {spread[0]:,.0f} to "
+                             f"{spread[1]:,.0f} tokens/s ({spread[1] / spread[0] - 1:+.1%}), a one-off stall or a "
+                             f"busy machine; `--redo --part {name}` measures it again")
+    return lines
+
+
 def summarise_peer(records: List[dict]) -> Optional[dict]:
     """Metrics of benchmarks/peer_plain_llama.py's --json line (its own timing already skips its warm-up)."""
     if not records or "tokens_per_s" not in records[-1]:

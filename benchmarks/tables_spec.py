@@ -116,6 +116,7 @@ class Table:
     parts: Tuple[Part, ...]
     analyse: Callable[[Dict[str, dict]], dict]
     device: str = "cuda"
+    speed: bool = False                # its results are tokens/s: runs with unsteady intervals are flagged
 
     def part(self, name: str) -> Part:
         for p in self.parts:
@@ -519,12 +520,13 @@ def analyse_table_d(parts: Dict[str, dict]) -> dict:
 
 
 TABLES = {
-    "table-a": Table("table-a", "COAT speed and memory at 1.36B and 7B", TABLE_A_PARTS, analyse_table_a),
+    "table-a": Table("table-a", "COAT speed and memory at 1.36B and 7B", TABLE_A_PARTS, analyse_table_a,
+                     speed=True),
     "table-c1": Table("table-c1", "COAT convergence on a code corpus (~125M)", TABLE_C1_PARTS, analyse_table_c1),
     "table-c2": Table("table-c2", "SDP4Bit convergence on CPU (2 nodes x 2 gloo ranks)", TABLE_C2_PARTS,
                       analyse_table_c2, device="cpu"),
     "table-d": Table("table-d", "megacoat against plain PyTorch and torchao float8", TABLE_D_PARTS,
-                     analyse_table_d),
+                     analyse_table_d, speed=True),
 }
 
 # ------------------------------------------------------------------------------------------------ fewer steps

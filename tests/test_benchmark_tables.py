@@ -32,9 +32,11 @@ FAKE = textwrap.dedent("""
     if "--sleep" in a:
         time.sleep(float(a[a.index("--sleep") + 1]))
     rng = random.Random(name)
+    rates = [float(x) for x in a[a.index("--rates") + 1].split(",")] if "--rates" in a else None
     with open(a[a.index("--log-json") + 1], "w") as f:
-        for it in (10, 20, 30):
-            f.write(json.dumps({"iteration": it, "lm_loss": 5.0 - it / 100, "tokens_per_s": rng.uniform(1e3, 2e3),
+        for i, it in enumerate((10, 20, 30)):
+            rate = rates[i] if rates else rng.uniform(1e3, 2e3)
+            f.write(json.dumps({"iteration": it, "lm_loss": 5.0 - it / 100, "tokens_per_s": rate,
                                 "tflops_per_gpu": rng.uniform(10, 20), "mfu": 0.1, "peak_mem_gib": rng.uniform(1, 2),
                                 "time_per_iter_s": 0.1}) + "\\n")
         f.write(json.dumps({"iteration": 30, "valid_loss": rng.uniform(3, 4)}) + "\\n")
@@ -206,6 +208,27 @@ def test_summarise_log_averages_the_intervals_after_warmup():
     # nothing after the warm-up: the last interval
     assert trun.summarise_log(records, warmup_iters=100)["tokens_per_s"] == steps[-1]["tokens_per_s"]
     assert trun.summarise_log([{"iteration": 1, "valid_loss": 2.0}], 0) is None
+
+
+def test_speed_tables_flag_runs_with_unsteady_intervals(fake_table, tmp_path, monkeypatch):
+    table, _, run = fake_table
+    # warm-up 10: the intervals ending at 20 and 30 are averaged; the first one never counts
+    part = spec.Part("p", "speed part", 1, device="cpu", runs=(
+        run("steady", "--rates", "900,1000,1040"), run("stall", "--rates", "900,800,1000"),
+        run("slow-start", "--rates", "100,1000,1040")))
+    monkeypatch.setitem(tables.TABLES, "table-x", replace(table, parts=(part,), speed=True))
+    out = tmp_path / "2030-01-02_table-x_cpu"
+    assert tables.main(["table-x", "--out", str(out)]) == 0
+    merged = json.loads((out / "table-x.json").read_text())
+    assert merged["checks"] == ["`p` / `stall`: the intervals it averages range from 800 to 1,000 tokens/s (+25.0%), "
+                                "a one-off stall or a busy machine; `--redo --part p` measures it again"]
+    assert "## Checks\n\n- `p` / `stall`" in (out / "README.md").read_text()
+    assert "\nCheck: `p` / `stall`" in render.docs_block(merged, "x", [])
+    # a table whose results are not speeds (convergence) flags nothing
+    monkeypatch.setitem(tables.TABLES, "table-x", replace(table, parts=(part,)))
+    assert tables.main(["table-x", "--out", str(out), "--merge-only"]) == 0
+    assert json.loads((out / "table-x.json").read_text())["checks"] == []
+    assert "Check:" not in render.docs_block(json.loads((out / "table-x.json").read_text()), "x", [])
 
 
 def test_out_of_memory_is_told_apart_from_a_failure(fake_table, tmp_path):
