@@ -1,5 +1,6 @@
 """Exact resume (N + N steps == 2N steps, bit for bit on CPU), --async-save, --finetune, and
 clear errors for bad checkpoints (missing dir, empty tracker, missing/corrupted shard, other flags)."""
+import io
 import json
 import os
 import shutil
@@ -85,8 +86,12 @@ def test_finetune_and_no_load_optim(tmp_path):
     train(["--train-iters", "3", "--save", save])
     _, t = train(["--train-iters", "2", "--load", save, "--finetune"])
     assert t.state.iteration == 2 and t.state.consumed_samples == 8  # started from 0
-    _, t = train(["--train-iters", "4", "--load", save, "--no-load-optim"])
+    log = io.StringIO()
+    _, t = train(["--train-iters", "4", "--load", save, "--no-load-optim"], log_stream=log)
     assert t.state.iteration == 4  # resumed at 3, fresh optimizer
+    assert t.scheduler.num_steps == 1  # and a fresh schedule, which the log says
+    assert "--no-load-optim: the optimizer state and the learning-rate schedule start fresh at iteration 3" \
+        in log.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,28 @@ def _train_tokenizer(capsys, *args):
     return rc, err
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_tokenizer_training_keeps_the_old_model_and_prints_no_traceback(tmp_path, capsys,
+                                                                                     monkeypatch, how):
+    src = _jsonl(tmp_path / "c.jsonl", _words(50, random.Random(8)))
+    out = tmp_path / "t.model"
+    out.write_bytes(b"the previous model")
+
+    def interrupted(*args, **kwargs):
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at once, inside this call
+        time.sleep(5)
+        raise AssertionError("SIGTERM was not turned into an interruption")
+
+    monkeypatch.setattr(train_tokenizer, "train_sentencepiece", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    rc, err = _train_tokenizer(capsys, "--input", src, "--output-model", out, "--vocab-size", 300, "--threads", 1)
+    assert rc == 128 + (signal.SIGINT if how == "ctrl-c" else signal.SIGTERM)
+    assert f"interrupted: no model written ({out} is as it was)" in err
+    assert out.read_bytes() == b"the previous model" and signal.getsignal(signal.SIGTERM) is before
+
+
 def _words(n_lines, rng):
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
     return [" ".join(rng.choice(words) for _ in range(20)) for _ in range(n_lines)]

@@ -16,14 +16,13 @@ line skipped) is written but ends with a warning: training on it is refused.
 """
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megacoat.config import int_at_least  # noqa: E402
 from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, empty_output_warning,  # noqa: E402
-                                         expand_inputs, preprocess)
+                                         expand_inputs, preprocess, run_interruptible)
 from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
 
 
@@ -54,24 +53,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM (a scheduler's or `timeout`'s kill), raised like Ctrl-C so that the partial files are removed."""
-
-
-def _on_sigterm(signum, frame):
-    raise Interrupted()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return run(args)
-    except KeyboardInterrupt as e:
-        print("interrupted: nothing written (the partial files were removed)", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return run_interruptible(lambda: run(args), "nothing written (the partial files were removed)")
 
 
 def run(args) -> int:

@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, BadLines, batches, expand_inputs,  # noqa: E402
-                                         parse_record, read_records)
+                                         parse_record, read_records, run_interruptible)
 from megacoat.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
 
@@ -50,6 +50,10 @@ def texts(files, input_format, json_keys, bad_lines: BadLines):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    return run_interruptible(lambda: run(args), f"no model written ({args.output_model} is as it was)")
+
+
+def run(args) -> int:
     bad_lines = BadLines(args.skip_bad_lines, lambda message: print(message, file=sys.stderr))
     try:
         files = expand_inputs(args.input, args.input_suffix)

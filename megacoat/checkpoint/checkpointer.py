@@ -364,6 +364,10 @@ class Checkpointer:
             setattr(trainer.state, k, st[k])
         if not weights_only:
             trainer.scheduler.load_state_dict(common["scheduler"])
+        elif c.no_load_optim:
+            # As in Megatron-LM: the schedule is part of the optimizer state it skips.
+            self.log(f"--no-load-optim: the optimizer state and the learning-rate schedule start fresh at iteration "
+                     f"{st['iteration']} (the warm-up runs again); omit the flag to resume them")
         if not c.no_load_rng:
             if reader.meta.get("parallel") == parallel_layout(ctx) and ctx.rank in common["rng"]:
                 restore_rng(trainer, common["rng"][ctx.rank])

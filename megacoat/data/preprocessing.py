@@ -154,6 +154,26 @@ class BadLines:
             self.report(f"skipping bad line: {message}")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `timeout`'s kill), raised like Ctrl-C so that partial files are removed."""
+
+
+def run_interruptible(run: Callable[[], int], outcome: str) -> int:
+    """run() for a command-line tool: Ctrl-C or SIGTERM print "interrupted: <outcome>" (what was left on disk)
+    and return 128 + the signal's number, as a shell reports it, instead of a traceback."""
+    def on_sigterm(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run()
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {outcome}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _where(record: Record) -> str:
     return f"{record.path}:{record.line}" if record.line else record.path
 
