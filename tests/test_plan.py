@@ -95,6 +95,17 @@ def test_flags_given_stay_fixed():
                                        for c in narrowed.candidates)
 
 
+def test_megatrons_recompute_alias_stays_fixed_too():
+    """--recompute-activations (Megatron's spelling of --recompute-granularity selective) is a recomputation
+    choice: every candidate is predicted with it, and the command line does not add another."""
+    argv = MODEL + ["--ranks-per-node", "4", "--recompute-activations"]
+    res = search(argv, 8, load_hardware("h200"), 1000, recipes=["bf16"], states=["fp32"], max_micro_batch=2)
+    assert res.candidates
+    for c in res.candidates:
+        assert "selective recompute" in c.summary, c.summary
+        assert "--recompute-granularity" not in command_line(argv, c)
+
+
 def test_a_faster_link_never_makes_the_best_pick_slower():
     h200 = load_hardware("h200")
     best = []

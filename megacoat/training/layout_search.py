@@ -42,7 +42,8 @@ CHOICE_FLAGS = {
            "--decoder-last-pipeline-num-layers"),
     "vp": ("--num-layers-per-virtual-pipeline-stage",),
     "mbs": ("--micro-batch-size",),
-    "recompute": ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"),
+    "recompute": ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                  "--recompute-activations"),  # Megatron's alias of --recompute-granularity selective
     "recipe": ("--fp8-format", "--fp8-recipe", "--fp32"),
     "states": ("--use-precision-aware-optimizer", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
     "grads": ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"),
@@ -197,7 +198,8 @@ def summary(cfg: MegacoatConfig, world: int, copies: bool) -> str:
         if p.num_layers_per_virtual_pipeline_stage else ""
     states = m.moments[0] if m.moments[0] == m.moments[1] else "/".join(m.moments)
     return (f"TP {tp}{' SP' if p.sequence_parallel else ''} PP {pp}{vp} DP {world // (tp * pp)}, micro-batch "
-            f"{t.micro_batch_size}{', full recompute' if t.recompute_granularity else ''}; {m.recipe}"
+            f"{t.micro_batch_size}{f', {t.recompute_granularity} recompute' if t.recompute_granularity else ''}; "
+            f"{m.recipe}"
             f"{' (FP8 weights cast per use)' if m.fp8 and not copies else ''}, {states} states, {m.grad_dtype} "
             f"grads, {'ZeRO ' + m.comm if m.comm != NO_ZERO else 'non-sharded optimizer'}")
 
