@@ -161,6 +161,29 @@ def test_more_link_bandwidth_never_predicts_a_slower_step(h200):
     assert checked == 24
 
 
+@pytest.mark.parametrize("world, rpn, flags, part", [
+    # PP 4 over 2 nodes of 8: stages of 4 ranks, the hop from stage 1 to stage 2 leaves the node
+    (16, 8, ["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "PP sends"),
+    # interleaved PP 4 over 2 nodes of 4: stages of 2 ranks, two hops (and the last stage's to the first) leave it
+    (8, 4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"], "PP sends"),
+    # TP 4 x PP 3 on nodes of 6 GPUs: the TP group of ranks 4..7 spans two nodes
+    (12, 6, ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "3",
+             "--num-layers", "6"], "TP communication"),
+])
+def test_links_that_cross_a_node_run_at_the_inter_node_rate(h200, world, rpn, flags, part):
+    """A collective or send whose ranks sit on two nodes is paced by the inter-node link, even where its ranks are
+    fewer than a node's: a slower inter-node link slows it (it did not); on one node the inter-node link is unused."""
+    argv = SMALL + ["--global-batch-size", "24", "--micro-batch-size", "1"] + flags
+    cfg = parse_args(argv + ["--ranks-per-node", str(rpn)])
+    plans = plan_stages(cfg, world, 1000, GPU)
+    slow, fast = (predict(cfg, world, plans, h200.with_inter_node_gbps(g), 1000) for g in (1, 400))
+    assert slow.parts[part] > 10 * fast.parts[part] and slow.seconds > fast.seconds
+    one = parse_args(argv + ["--ranks-per-node", str(world)])
+    one_slow, one_fast = (predict(one, world, plans, h200.with_inter_node_gbps(g), 1000) for g in (1, 400))
+    assert one_slow.parts[part] == one_fast.parts[part] < slow.parts[part]
+
+
 def test_parts_add_up_and_overlap_never_costs(h200):
     base = SMALL + ["--global-batch-size", "64", "--micro-batch-size", "8", "--use-distributed-optimizer",
                     "--ranks-per-node", "1", "--ddp-bucket-size", "300000"]  # several buckets: room to overlap

@@ -222,9 +222,25 @@ def ranks_per_node(cfg: MegacoatConfig, world: int) -> int:
     return cfg.parallel.ranks_per_node or cfg.parallel.world_size or world
 
 
-def _link_for(hw: Hardware, ranks_apart: int, ranks_per_node: int) -> Link:
-    """Ranks `ranks_apart` apart in the grid share a node when the distance stays inside one."""
-    return hw.links["intra_node" if ranks_apart < ranks_per_node else "inter_node"]
+def _tp_link(hw: Hardware, tp: int, world: int, rpn: int) -> Link:
+    """The link of the TP collectives: TP groups are tp consecutive ranks, so one that a node boundary splits
+    (TP over the node, or a node size TP does not divide, e.g. TP 4 on 6 GPUs a node) runs at the inter-node
+    rate, and every layer waits for it."""
+    across = any(g // rpn != (g + tp - 1) // rpn for g in range(0, world, tp))
+    return hw.links["inter_node" if across else "intra_node"]
+
+
+def _pp_link(hw: Hardware, world: int, pp: int, pp_rank: int, vp: int, rpn: int) -> Link:
+    """The link of a stage's sends (activations to the next stage, gradients to the previous; interleaved, the
+    last stage also feeds the first). Stages are blocks of world / pp consecutive ranks, so a hop crosses nodes
+    wherever a node boundary falls between the two blocks, even when the blocks are smaller than a node; the
+    stage waits for its slowest rank."""
+    block = world // pp
+    peers = {(pp_rank + d) % pp for d in (-1, 1)} if vp > 1 else \
+        {r for r in (pp_rank - 1, pp_rank + 1) if 0 <= r < pp}
+    across = block >= rpn or any((pp_rank * block + j) // rpn != (q * block + j) // rpn
+                                 for q in peers for j in range(block))
+    return hw.links["inter_node" if across else "intra_node"]
 
 
 def micro_batch_on_stage(cfg: MegacoatConfig, hw: Hardware, methods: Methods, tp: int, pp_rank: int,
@@ -241,7 +257,7 @@ def micro_batch_on_stage(cfg: MegacoatConfig, hw: Hardware, methods: Methods, tp
     world = p.world_size or tp * p.pipeline_model_parallel_size
     rpn = ranks_per_node(cfg, world)
     elem = 4 if methods.recipe == "fp32" else 2
-    c_f, c_b = tp_layer_seconds(_link_for(hw, tp - 1, rpn), s, tokens, elem)
+    c_f, c_b = tp_layer_seconds(_tp_link(hw, tp, world, rpn), s, tokens, elem)
     pp = p.pipeline_model_parallel_size
     chunks = stage_layers(cfg.model.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
                           p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)[pp_rank]
@@ -281,7 +297,7 @@ def micro_batch_on_stage(cfg: MegacoatConfig, hw: Hardware, methods: Methods, tp
         parts["FP8 weight casts"] = hw.memory_seconds(8.0 * weights, "cast")
     if pp > 1:  # activations to the next stage, gradients back, per chunk
         act = tokens * h * elem // (tp if s.sp else 1)
-        link = _link_for(hw, world // pp, rpn)  # the next stage is DP x TP ranks further on
+        link = _pp_link(hw, world, pp, pp_rank, vp, rpn)
         parts["PP sends"] = vp * 2 * link.seconds(act, 1)
     fwd = layers * layer_f + (ends / 3)
     total = sum(parts.values())
