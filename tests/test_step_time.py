@@ -51,6 +51,11 @@ def test_the_shipped_machine_file_validates(h200):
     (lambda r: r["gemm"].update(bf16=[]), "gemm.bf16 must be a non-empty list"),
     (lambda r: r.update(reserved_gib=500), "reserved_gib (500.0) must be less than memory_gib (140.4)"),
     (lambda r: r["optimizer_ms_per_256M"]["fp8"].update(bf16="fast"), "optimizer_ms_per_256M.fp8.bf16 must be"),
+    (lambda r: r.update(memory_gib=10**400), "memory_gib must be a positive number"),  # no float holds it
+    (lambda r: r["gemm"].update(bf16=[[8192, 2048, 10**400, 700.0]]), "gemm.bf16[0] must be four positive"),
+    (lambda r: r["gemm"].update(bf16=[{"mnk": "8192x2048x2048", "tflops": 700.0}]),
+     "gemm.bf16[0] must be four positive numbers"),
+    (lambda r: r.update(name={"gpu": "h200"}), "name must be a string"),
 ])
 def test_a_bad_machine_file_gets_a_one_line_error_naming_the_key(tmp_path, edit, message):
     raw = _raw()

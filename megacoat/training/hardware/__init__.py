@@ -156,6 +156,17 @@ def load_hardware(name_or_path: str = "h200", inter_node_gbps: Optional[float] =
     return parse_hardware(raw, path).with_inter_node_gbps(inter_node_gbps)
 
 
+def _is_number(v, allow_zero: bool = False) -> bool:
+    """A finite JSON number (not a bool), > 0 or >= 0; an integer too large for a float is none."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        v = float(v)
+    except OverflowError:
+        return False
+    return math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
+
+
 class _Reader:
     """Typed access into the file with one-line errors naming the file and the key."""
 
@@ -176,9 +187,7 @@ class _Reader:
 
     def number(self, *keys: str, allow_zero: bool = False) -> float:
         v = self.get(*keys)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
-            v >= 0 if allow_zero else v > 0)
-        if not ok:
+        if not _is_number(v, allow_zero):
             raise self.fail(".".join(keys), f"must be a {'non-negative' if allow_zero else 'positive'} number, "
                                             f"got {v!r}")
         return float(v)
@@ -195,10 +204,9 @@ class _Reader:
             raise self.fail(f"gemm.{fmt}", "must be a non-empty list of [m, n, k, tflops]")
         out = []
         for i, row in enumerate(rows):
-            vals = row.get("mnk", []) + [row.get("tflops")] if isinstance(row, dict) else row
-            if not (isinstance(vals, list) and len(vals) == 4 and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                    for v in vals)):
+            mnk = row.get("mnk") if isinstance(row, dict) else None
+            vals = (mnk + [row.get("tflops")] if isinstance(mnk, list) else None) if isinstance(row, dict) else row
+            if not (isinstance(vals, list) and len(vals) == 4 and all(_is_number(v) for v in vals)):
                 raise self.fail(f"gemm.{fmt}[{i}]", f"must be four positive numbers [m, n, k, tflops], got {row!r}")
             out.append(tuple(float(v) for v in vals))
         return out
@@ -208,6 +216,8 @@ def parse_hardware(raw: dict, path: str = "<dict>") -> Hardware:
     if not isinstance(raw, dict):
         raise ConfigError(f"machine file {path}: expected a JSON object.")
     r = _Reader(raw, path)
+    if not isinstance(raw.get("name", ""), str):
+        raise r.fail("name", f"must be a string, got {raw['name']!r}")
     memory = r.number("memory_gib")
     reserved = r.number("reserved_gib", allow_zero=True)
     if reserved >= memory:
