@@ -166,9 +166,9 @@ def test_one_reason_for_every_layout_is_given_alone(capsys):
         assert err.startswith(f"tools/plan.py: error: no layout can run on 8 GPUs of h200: {message}"), err
         assert err.count(message) == 1 and "Give more GPUs" not in err
     # reasons that differ per layout keep the list, each once
-    assert plan_tool.main(MODEL + ["--world-size", "8", "--micro-batch-size", "3"]) == 2
+    assert plan_tool.main(MODEL + ["--world-size", "8", "--num-layers-per-virtual-pipeline-stage", "3"]) == 2
     err = capsys.readouterr().err
-    assert "nothing fits: no valid layout" in err and err.count("TP 1 PP 1:") == 1
+    assert "nothing fits: no valid layout" in err and err.count("TP 1 PP 1 vp layers 3:") == 1
 
 
 def test_a_fixed_size_that_cannot_divide_the_world_is_named(capsys):
@@ -195,7 +195,13 @@ def test_a_machine_or_batch_no_layout_can_mend_is_refused_up_front(capsys):
                            (["--world-size", "8", "--ranks-per-node", "0"], "--ranks-per-node 0 must be >= 1"),
                            (["--world-size", "12", "--ranks-per-node", "8"], "--world-size 12 is not a multiple of "
                             "--ranks-per-node 8: plan for whole nodes (--world-size 8 or 16)"),
-                           (["--world-size", "8", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1")]:
+                           (["--world-size", "8", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+                           # a micro-batch given that no data-parallel size can take (larger than, or not dividing,
+                           # the global batch): named, not "nothing fits ... give more GPUs"
+                           (["--world-size", "8", "--micro-batch-size", "64"], "--global-batch-size 32 is not a "
+                            "multiple of --micro-batch-size 64"),
+                           (["--world-size", "8", "--micro-batch-size", "3"], "--global-batch-size 32 is not a "
+                            "multiple of --micro-batch-size 3")]:
         assert plan_tool.main(MODEL + flags) == 2
         err = capsys.readouterr().err
         assert f"tools/plan.py: error: {message}" in err and "nothing fits" not in err, err

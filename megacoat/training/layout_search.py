@@ -204,7 +204,7 @@ def summary(cfg: MegacoatConfig, world: int, copies: bool) -> str:
             f"grads, {'ZeRO ' + m.comm if m.comm != NO_ZERO else 'non-sharded optimizer'}")
 
 
-def _check_machine_and_batch(base: MegacoatConfig, world: int) -> None:
+def _check_machine_and_batch(base: MegacoatConfig, world: int, fixed: set) -> None:
     """What no layout can mend, refused up front (else every layout is refused, and the message blames fit)."""
     rpn, gbs = base.parallel.ranks_per_node, base.train.global_batch_size
     if world < 1:
@@ -217,6 +217,11 @@ def _check_machine_and_batch(base: MegacoatConfig, world: int) -> None:
                           f"(--world-size {whole} or {whole + rpn}).")
     if gbs < 1:
         raise ConfigError(f"--global-batch-size {gbs} must be >= 1.")
+    mbs = base.train.micro_batch_size
+    if "mbs" in fixed and mbs >= 1 and gbs % mbs:  # every layout needs global batch = DP x micro-batch x micro-batches
+        raise ConfigError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs}: no data-parallel "
+                          f"size can split it; give a micro-batch that divides it, or leave the flag out and the "
+                          f"search chooses.")
 
 
 def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recipes: Sequence[str] = RECIPES,
@@ -231,7 +236,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
     if base.train.global_batch_size is None:
         raise ConfigError("tools/plan.py needs --global-batch-size (the samples per step it keeps while it "
                           "chooses the layout).")
-    _check_machine_and_batch(base, world)
+    _check_machine_and_batch(base, world, fixed)
     if base.train.fp32:
         recipes = ["fp32"]
     res = SearchResult([])
