@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 from bench_timing import timed  # noqa: E402
+from megacoat.config import ConfigError  # noqa: E402
 from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware, parse_hardware  # noqa: E402
 
 TOKENS = (2048, 4096, 8192, 16384)
@@ -201,6 +203,18 @@ def part_links(world: int, rank: int) -> dict:
     return out
 
 
+def _bad_flag(args) -> str:
+    """What is wrong with the flags, in one line ("" if nothing)."""
+    gbps = args.inter_node_gbps
+    if gbps is not None and not (math.isfinite(gbps) and gbps > 0):
+        return f"--inter-node-gbps {gbps} must be > 0 and finite (Gb/s per GPU, e.g. 400)."
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        return f"--budget-s {args.budget_s} must be > 0 (seconds for the GEMM sweep, e.g. 420)."
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        return f"--out {args.out}: its directory does not exist."
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", required=True, help="the machine's name (the file's `name`)")
@@ -208,6 +222,10 @@ def main(argv=None) -> int:
     ap.add_argument("--inter-node-gbps", type=float, default=None, help="the link between nodes, Gb/s per GPU")
     ap.add_argument("--budget-s", type=float, default=420.0, help="time for the GEMM sweep (default 420 s)")
     args = ap.parse_args(argv)
+    bad = _bad_flag(args)
+    if bad:  # refused before minutes of measuring, not after
+        print(f"benchmarks/calibrate.py: error: {bad}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("benchmarks/calibrate.py: error: measures a GPU; none is visible.", file=sys.stderr)
         return 2
@@ -254,7 +272,11 @@ def main(argv=None) -> int:
     if args.inter_node_gbps is not None:
         raw["links"]["inter_node"]["bus_GBps"] = args.inter_node_gbps / GBPS_PER_GBYTE
         raw["links"]["source"] += f"; inter_node bandwidth {args.inter_node_gbps} Gb/s per GPU given by hand"
-    parse_hardware(raw, args.out)  # a file the planner would refuse is not written
+    try:
+        parse_hardware(raw, args.out)  # a file the planner would refuse is not written
+    except ConfigError as e:
+        print(f"benchmarks/calibrate.py: error: {e} Nothing was written.", file=sys.stderr)
+        return 2
     with open(args.out, "w") as f:
         json.dump(raw, f, indent=1)
     print(f"wrote {args.out}; plan with: python tools/plan.py --hardware {args.out} ...")
