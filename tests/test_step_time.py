@@ -56,6 +56,7 @@ def test_the_shipped_machine_file_validates(h200):
     (lambda r: r["gemm"].update(bf16=[{"mnk": "8192x2048x2048", "tflops": 700.0}]),
      "gemm.bf16[0] must be four positive numbers"),
     (lambda r: r.update(name={"gpu": "h200"}), "name must be a string"),
+    (lambda r: r["links"]["inter_node"].update(latency_us=1e300), "links.inter_node.latency_us must be at most 1e+06"),
 ])
 def test_a_bad_machine_file_gets_a_one_line_error_naming_the_key(tmp_path, edit, message):
     raw = _raw()
@@ -69,6 +70,8 @@ def test_a_bad_machine_file_gets_a_one_line_error_naming_the_key(tmp_path, edit,
 def test_unknown_or_unreadable_machines_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="no such machine file .* one of: h200"):
         load_hardware("tpu9000")
+    with pytest.raises(ConfigError, match="--hardware is empty: give one of: h200"):
+        load_hardware(" ")
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="is not readable JSON"):

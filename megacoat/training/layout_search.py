@@ -366,8 +366,10 @@ def no_fit_message(res: SearchResult, world: int, hw: Hardware) -> str:
     why = (f"{res.too_large} of {res.configurations} configurations over {hw.memory_gib - hw.reserved_gib:.1f} GiB "
            f"per GPU" if res.too_large else "no valid layout")
     hint = "; ".join(refusals[:3])
-    return (f"nothing fits: {why} {where}" + (f" (layouts refused: {hint})" if hint else "")
-            + ". Give more GPUs, a smaller --global-batch-size or model, or fewer fixed flags.")
+    # Memory is a cause only where some configuration was too large; otherwise the refusals are the fix.
+    advice = ("Give more GPUs, a smaller --global-batch-size or model, or fewer fixed flags" if res.too_large
+              else "Change or drop the fixed flags the refusals name")
+    return f"nothing fits: {why} {where}" + (f" (layouts refused: {hint})" if hint else "") + f". {advice}."
 
 
 def best_by(res: SearchResult, key) -> Dict[str, Candidate]:

@@ -144,6 +144,9 @@ def resolve_path(name_or_path: str) -> str:
 
 def load_hardware(name_or_path: str = "h200", inter_node_gbps: Optional[float] = None) -> Hardware:
     """The machine of `--hardware NAME|FILE` (NAME: a file shipped here), validated; raises ConfigError."""
+    if not name_or_path.strip():
+        raise ConfigError(f"--hardware is empty: give one of: {', '.join(available())}, or a JSON file written by "
+                          "benchmarks/calibrate.py.")
     path = resolve_path(name_or_path)
     if not os.path.exists(path):
         raise ConfigError(f"--hardware {name_or_path}: no such machine file ({path}); give a JSON file written by "
@@ -212,6 +215,19 @@ class _Reader:
         return out
 
 
+# A message's latency beyond a second is a typo (milliseconds for microseconds, say); left in, its products
+# overflow to NaN and the step's parts drop out of the prediction instead of dominating it.
+MAX_LATENCY_US = 1e6
+
+
+def _latency_us(r, link_class: str) -> float:
+    v = r.number("links", link_class, "latency_us", allow_zero=True)
+    if v > MAX_LATENCY_US:
+        raise r.fail(f"links.{link_class}.latency_us", f"must be at most {MAX_LATENCY_US:.0e} (one second per "
+                                                        f"message), got {v!r}")
+    return v
+
+
 def parse_hardware(raw: dict, path: str = "<dict>") -> Hardware:
     if not isinstance(raw, dict):
         raise ConfigError(f"machine file {path}: expected a JSON object.")
@@ -232,6 +248,6 @@ def parse_hardware(raw: dict, path: str = "<dict>") -> Hardware:
                                for m in OPTIMIZER_FORMATS},
         sdp4bit_ms_per_256M={k: r.number("sdp4bit_ms_per_256M", k) for k in SDP4BIT_KERNELS},
         launch_us=r.number("host", "launch_us"), kernel_gap_us=r.number("host", "kernel_gap_us", allow_zero=True),
-        links={c: Link(r.number("links", c, "bus_GBps"), r.number("links", c, "latency_us", allow_zero=True),
-                       r.fraction("links", c, "overlap")) for c in LINK_CLASSES},
+        links={c: Link(r.number("links", c, "bus_GBps"), _latency_us(r, c), r.fraction("links", c, "overlap"))
+               for c in LINK_CLASSES},
         raw=raw)
