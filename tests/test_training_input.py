@@ -347,6 +347,29 @@ def test_a_run_stopped_by_exit_interval_leaves_the_test_split_for_its_end(tmp_pa
     assert "on test set" not in out.getvalue() and "validation loss at iteration 1" in out.getvalue()
 
 
+def test_a_run_out_of_time_saves_and_leaves_without_the_final_validation(tmp_path):
+    """--exit-duration-in-mins: the job's remaining time is for the save; a validation after it could outlast
+    the allocation (Megatron-LM exits there too)."""
+    import io
+
+    from megacoat.config import parse_args
+    from megacoat.training.trainer import Trainer
+    from test_data_iterators import null_data
+
+    out = io.StringIO()
+    save = tmp_path / "ckpt"
+    cfg = parse_args(REAL + ["--train-iters", "3", "--log-interval", "1", "--exit-duration-in-mins", "1",
+                             "--eval-iters", "1", "--data-path", null_data(tmp_path, "a"), "--split", "90,5,5",
+                             "--data-cache-path", str(tmp_path / "c"), "--save", str(save)])
+    t = Trainer(cfg, log_stream=out)
+    t.checkpointer.start_time -= 3600  # the hour since the process started is over the limit
+    t.train()
+    t.close()
+    assert "exiting at iteration 1: --exit-duration-in-mins 1.0 reached" in out.getvalue()
+    assert "validation loss" not in out.getvalue() and "on test set" not in out.getvalue()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
 @pytest.mark.parametrize("flags,fix", [
     (["--seq-length", "64", "--max-position-embeddings", "32"], "raise it to at least 64, or leave it out"),
     (["--exit-interval", "0"], "leave it out to run all --train-iters"),  # Megatron takes 0 as 'never'

@@ -370,7 +370,7 @@ class Trainer:
                      self.tokenizer.vocab_size, memory, self.logger)
         iters = self.data_iterators()
         self.logger.start(self.state.iteration, resuming=bool(cfg.checkpoint.load))
-        interrupted = False
+        interrupted = False  # by the signal or the time limit: the job's remaining time is for the save alone
         while self.state.iteration < cfg.train.train_iters:
             try:
                 rec = self.train_step(self._next_micro_batches(iters.train, self.step_micro_batches()))
@@ -389,6 +389,7 @@ class Trainer:
                     and it < cfg.train.train_iters:
                 self.logger.log_eval(it, self.evaluate(iters.valid, cfg.train.eval_iters))
             if self.checkpointer.after_step(self):  # saves when due; True: --exit-duration-in-mins ran out
+                interrupted = True
                 break
             if self.exit_signal is not None and self.exit_signal.requested():
                 self._save_and_exit_on_signal()
