@@ -40,11 +40,11 @@ def report_config_error(e: Exception, rank: int) -> None:
 
 def main(argv=None) -> int:
     cfg, notes = parse_args_with_notes(argv)
-    configure_library_logging()  # e.g. progress while the default corpus is built on first use
     rank = 0  # until the launcher's environment is read (an error there is reported as rank 0's)
     try:
         launch = read_launch_env()  # torchrun's or SLURM's variables: read here only, passed on
         rank = launch.rank
+        configure_library_logging(rank=rank)  # e.g. progress while the default corpus is built on first use
         if rank == 0:
             for note in notes:  # Megatron flags accepted without effect
                 print(f"pretrain_gpt.py: note: {note}", file=sys.stderr, flush=True)

@@ -163,3 +163,27 @@ def test_cli_refuses_empty_data_with_one_line(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last == (f"pretrain_gpt.py: error: --data-path {e} --split 969,30,1: no train documents: {e} holds no "
                     "documents; check the input given to tools/preprocess_data.py (it reports the documents it wrote)")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_library_warnings_show_on_rank_0_only(rank):
+    """Every rank builds the same datasets from the same flags: a warning of rank 0's repeated by each of a
+    thousand ranks buries the log. Other ranks still show errors."""
+    import io
+
+    from megacoat.training.log import configure_library_logging
+
+    logger = logging.getLogger("megacoat")
+    saved = (list(logger.handlers), logger.level)
+    for h in [h for h in logger.handlers if getattr(h, "megacoat_handler", False)]:
+        logger.removeHandler(h)
+    stream = io.StringIO()
+    try:
+        configure_library_logging(stream, rank=rank)
+        logging.getLogger("megacoat.data").warning("warning: the validation split is empty")
+        logging.getLogger("megacoat.data").error("the index file is unreadable")
+    finally:
+        logger.handlers[:], logger.level = saved
+    shown = stream.getvalue()
+    assert ("warning: the validation split is empty" in shown) == (rank == 0)
+    assert "the index file is unreadable" in shown

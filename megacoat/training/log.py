@@ -27,17 +27,18 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def configure_library_logging(stream=None) -> None:
+def configure_library_logging(stream=None, rank: int = 0) -> None:
     """Show megacoat's library messages (e.g. `megacoat.data` preparing the default corpus or
     dataset indices) on stderr. Called by entry points, not by the library: applications that
-    embed megacoat keep their own logging setup. Idempotent."""
+    embed megacoat keep their own logging setup. Every rank reads the same data and flags, so their
+    progress and warnings repeat rank 0's: ranks other than 0 show errors only. Idempotent."""
     logger = logging.getLogger("megacoat")
     if not any(getattr(h, "megacoat_handler", False) for h in logger.handlers):
         handler = logging.StreamHandler(stream or sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.megacoat_handler = True
         logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 
 def skip_flags(success: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
