@@ -232,7 +232,8 @@ class TrainingConfig:
     fp16: bool = _f(False, "Not supported: use --bf16.")
     use_cpu: bool = _f(False, "Run on CPU even when a GPU is present.")
     torch_compile: Optional[bool] = _f(None, "Compile transformer layers with torch.compile (default: on for GPU).", tristate=True)
-    eval_interval: int = _f(100, "Evaluate on the validation set every this many iterations (0: never).")
+    eval_interval: int = _f(100, "Evaluate on the validation set every this many iterations (0: only at the end "
+                                       "of training; --eval-iters 0 turns validation off).")
     eval_iters: int = _f(10, "Validation iterations per evaluation (0: no validation). When the validation split "
                              "has no documents (e.g. --split 100,0,0), evaluation is skipped with a warning, as "
                              "Megatron skips it.")
