@@ -5,8 +5,9 @@ from typing import Optional, Union
 
 import torch
 
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16}
+# The weight dtypes by the names the tools' --dtype flags take; load_model also takes torch's own names.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {**DTYPES, **{str(d).replace("torch.", ""): d for d in DTYPES.values()}}
 
 
 def load_model(checkpoint_dir: str, device: str = "cpu",

@@ -587,7 +587,7 @@ _RANGES = (
     ("train", "train_iters", ">=1", ""),
     ("train", "train_samples", ">=1", ""),
     ("train", "seed", "seed", ""),
-    ("train", "eval_interval", ">=0", " (0: never)"),
+    ("train", "eval_interval", ">=0", " (0: only at the end of training)"),
     ("train", "eval_iters", ">=0", " (0: no validation)"),
     ("train", "exit_interval", ">=1", " (leave it out to run all --train-iters)"),
     ("train", "max_skipped_iterations", ">=1", ""),

@@ -109,8 +109,7 @@ def main(argv=None) -> int:
     try:
         check_sampling_flags(a)
         device = check_device(a.device)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(a.dtype)
-        model = megacoat.load_model(a.load, device=device, dtype=dtype)
+        model = megacoat.load_model(a.load, device=device, dtype=a.dtype)
         from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
         if a.tokenizer_type:
             tokenizer = build_tokenizer_by_type(a.tokenizer_type, a.tokenizer_model, a.vocab_size, a.vocab_file,

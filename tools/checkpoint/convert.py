@@ -36,11 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-
+from megacoat.api import DTYPES  # noqa: E402
 from megacoat.checkpoint import CheckpointError  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse(argv=None):
