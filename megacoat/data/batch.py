@@ -49,7 +49,7 @@ class BatchBuilder:
     def _check_ids(self, data: torch.Tensor) -> None:
         # The datasets' first samples are checked when they are built; a rare id of another tokenizer further on
         # would otherwise stop training in the embedding or the loss with an IndexError traceback.
-        top, low = int(data.max()), int(data.min())
+        low, top = (int(v) for v in torch.aminmax(data))  # one pass over the batch
         if top >= self.vocab_size or low < 0:
             from megacoat.data.dataset_builder import DataConfigError
 
