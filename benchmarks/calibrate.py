@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 from bench_timing import timed  # noqa: E402
 from megacoat.config import ConfigError  # noqa: E402
-from megacoat.training.hardware import GBPS_PER_GBYTE, load_hardware, parse_hardware  # noqa: E402
+from megacoat.training.hardware import (GBPS_PER_GBYTE, check_inter_node_gbps, load_hardware,  # noqa: E402
+                                       parse_hardware)
 
 TOKENS = (2048, 4096, 8192, 16384)
 WIDTHS = ((2048, 2048), (2048, 6144), (2048, 11264), (5632, 2048), (4096, 4096), (4096, 12288), (4096, 22016),
@@ -205,9 +206,10 @@ def part_links(world: int, rank: int) -> dict:
 
 def _bad_flag(args) -> str:
     """What is wrong with the flags, in one line ("" if nothing)."""
-    gbps = args.inter_node_gbps
-    if gbps is not None and not (math.isfinite(gbps) and gbps > 0):
-        return f"--inter-node-gbps {gbps} must be > 0 and finite (Gb/s per GPU, e.g. 400)."
+    try:
+        check_inter_node_gbps(args.inter_node_gbps)
+    except ConfigError as e:
+        return str(e)
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):
         return f"--budget-s {args.budget_s} must be > 0 (seconds for the GEMM sweep, e.g. 420)."
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):

@@ -122,13 +122,18 @@ class Hardware:
 
     def with_inter_node_gbps(self, gbps: Optional[float]) -> "Hardware":
         """This machine with its inter-node link set by hand (Gb/s per GPU, as --inter-node-gbps)."""
+        check_inter_node_gbps(gbps)
         if gbps is None:
             return self
-        if not (math.isfinite(gbps) and gbps > 0):
-            raise ConfigError(f"--inter-node-gbps {gbps} must be > 0 and finite (Gb/s per GPU, e.g. 400).")
         links = dict(self.links)
         links["inter_node"] = dataclasses.replace(self.links["inter_node"], bus_GBps=gbps / GBPS_PER_GBYTE)
         return Hardware(**{**self.__dict__, "links": links})
+
+
+def check_inter_node_gbps(gbps: Optional[float]) -> None:
+    """--inter-node-gbps (None: the file's link) must be a positive finite Gb/s per GPU; raises ConfigError."""
+    if gbps is not None and not (math.isfinite(gbps) and gbps > 0):
+        raise ConfigError(f"--inter-node-gbps {gbps} must be > 0 and finite (Gb/s per GPU, e.g. 400).")
 
 
 def available() -> List[str]:
