@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Optional
 
+from tables_spec import all_runs
+
 FORMATS: Dict[str, Callable[[float], str]] = {
     "int": lambda v: f"{v:,.0f}",
     "float1": lambda v: f"{v:.1f}",
@@ -115,17 +117,10 @@ def readme(merged: dict, parts: Dict[str, dict]) -> str:
                   f"- Command: `{env['command']}`"]
         for note in part.get("notes", []):
             lines.append(f"- {note}")
-        for r in _all_runs(part):
+        for r in all_runs(part):
             lines.append(f"- `{r['name']}` ({r['outcome']}, {r['seconds']:.0f} s): `{r['command']}`")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _all_runs(part: dict) -> List[dict]:
-    runs = list(part.get("runs", []))
-    for s in part.get("searches", []):
-        runs += [a["run"] for a in s.get("attempts", [])]
-    return runs
 
 
 def docs_block(merged: dict, link: str, images: List[str]) -> str:

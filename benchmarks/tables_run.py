@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tables_spec import LargestBatch, Run
+from tables_spec import LargestBatch, Run, all_runs
 
 # The corpus must hold this many tokens: 3000 steps of 32 x 1024 tokens read 98M, so at most 2.5 epochs.
 MIN_CORPUS_TOKENS = 40_000_000
@@ -134,7 +134,7 @@ def unsteady_runs(parts: Dict[str, dict], out: str) -> List[str]:
     from its raw log in the result folder `out`."""
     lines = []
     for name, part in parts.items():
-        for run in part.get("runs", []):
+        for run in all_runs(part):
             m = run.get("metrics") or {}
             if run.get("kind") != "megacoat" or not run.get("log_json") or not m.get("intervals"):
                 continue

@@ -319,6 +319,14 @@ def _speed_rows(part: Optional[dict]) -> List[dict]:
     return rows
 
 
+def all_runs(part: dict) -> List[dict]:
+    """Every run a part made: its fixed runs and each largest-micro-batch search's attempts."""
+    runs = list(part.get("runs", []))
+    for s in part.get("searches", []):
+        runs += [a["run"] for a in s.get("attempts", [])]
+    return runs
+
+
 def _largest_rows(part_name: str, part: Optional[dict]) -> List[dict]:
     searches = (part or {}).get("searches", [])
     base = next((s for s in searches if s["name"] == "bf16"), None)

@@ -231,6 +231,16 @@ def test_speed_tables_flag_runs_with_unsteady_intervals(fake_table, tmp_path, mo
     assert "Check:" not in render.docs_block(json.loads((out / "table-x.json").read_text()), "x", [])
 
 
+def test_unsteady_runs_of_a_largest_micro_batch_search_are_flagged_too(tmp_path):
+    log = tmp_path / "raw" / "s" / "bf16-mbs8.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps({"iteration": it, "lm_loss": 2.0, "tokens_per_s": v}) + "\n"
+                           for it, v in ((4, 90.0), (8, 1000.0), (12, 700.0))))
+    run = {"name": "bf16-mbs8", "kind": "megacoat", "log_json": "raw/s/bf16-mbs8.jsonl", "metrics": {"intervals": 2}}
+    parts = {"s": {"runs": [], "searches": [{"name": "bf16", "attempts": [{"micro_batch": 8, "run": run}]}]}}
+    assert [c.split(":")[0] for c in trun.unsteady_runs(parts, str(tmp_path))] == ["`s` / `bf16-mbs8`"]
+
+
 def test_out_of_memory_is_told_apart_from_a_failure(fake_table, tmp_path):
     _, _, run = fake_table
     ctx = trun.Context(root=str(tmp_path), out=str(tmp_path / "out"), part="p", device="cpu")
