@@ -6,9 +6,10 @@
 
 Each table of benchmarks/tables.py owns one block of the page, between `<!-- table:NAME -->` and
 `<!-- /table:NAME -->` (NAME: table-a, table-c1, table-c2, table-d). The block is written from
-benchmarks/results/<date>_<NAME>_<hardware>/<NAME>.json of the newest such folder (by date, then name): its
-tables, targets, plots (the PNGs the folder holds) and a link to it; where no folder exists yet, a line that
-says how to make one. Everything outside these blocks is left as it is.
+benchmarks/results/<date>_<NAME>_<hardware>/<NAME>.json of the newest such folder of each hardware, the table's
+own hardware (h200; cpu for a CPU table) first: their tables, targets, plots (the PNGs each folder holds) and a
+link to each. A section, target or part that one folder lacks and another shows is not repeated as "not measured".
+Where no folder exists yet, a line says how to make one. Everything outside these blocks is left as it is.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, Optional
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,24 +36,38 @@ class ReportError(Exception):
     """The page or the results are not as the report needs them: one line, with the fix."""
 
 
-def newest_result(results: str, table: str) -> Optional[str]:
-    """The newest folder of `table` under `results` that holds its merged JSON, or None."""
+def result_folders(results: str, table: str) -> List[str]:
+    """The newest folder of `table` under `results` for each hardware that holds its merged JSON: the table's
+    own hardware first, then the others, newest first."""
     if not os.path.isdir(results):
-        return None
-    found = [d for d in os.listdir(results) if (m := FOLDER.match(d)) and m.group(2) == table
-             and os.path.isfile(os.path.join(results, d, f"{table}.json"))]
-    return os.path.join(results, max(found, key=lambda d: (FOLDER.match(d).group(1), d))) if found else None
+        return []
+    newest: Dict[str, str] = {}
+    for d in sorted(os.listdir(results)):  # by date, then name: the last one of each hardware wins
+        m = FOLDER.match(d)
+        if m and m.group(2) == table and os.path.isfile(os.path.join(results, d, f"{table}.json")):
+            newest[m.group(3)] = d
+    own = "cpu" if TABLES[table].device == "cpu" else "h200"
+    order = sorted(sorted(newest, key=newest.get, reverse=True), key=lambda hw: hw != own)  # sorted() is stable
+    return [os.path.join(results, newest[hw]) for hw in order]
 
 
 def block(table: str, results: str, page_dir: str) -> str:
-    folder = newest_result(results, table)
-    if folder is None:
+    merged = []
+    for folder in result_folders(results, table):
+        with open(os.path.join(folder, f"{table}.json")) as f:
+            merged.append((folder, json.load(f)))
+    if not merged:
         return placeholder_block(table)
-    with open(os.path.join(folder, f"{table}.json")) as f:
-        merged = json.load(f)
-    link = os.path.relpath(folder, page_dir).replace(os.sep, "/")
-    images = [p["file"] for p in merged.get("plots", []) if os.path.isfile(os.path.join(folder, p["file"]))]
-    return docs_block(merged, link, images)
+    out = []
+    for i, (folder, m) in enumerate(merged):
+        others = [o for j, (_, o) in enumerate(merged) if j != i]
+        link = os.path.relpath(folder, page_dir).replace(os.sep, "/")
+        images = [p["file"] for p in m.get("plots", []) if os.path.isfile(os.path.join(folder, p["file"]))]
+        out.append(docs_block(m, link, images,
+                              measured_elsewhere={part for o in others for part in o["parts"]},
+                              sections_elsewhere={s["key"] for o in others for s in o["sections"] if s["rows"]},
+                              reproduce=i == len(merged) - 1))
+    return "\n\n".join(out)
 
 
 def marker_span(text: str, name: str):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from tables_spec import all_runs
 
@@ -123,23 +123,30 @@ def readme(merged: dict, parts: Dict[str, dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def docs_block(merged: dict, link: str, images: List[str]) -> str:
-    """What benchmarks/report.py writes between a table's markers in docs/benchmarks.md. `link` is the result
-    folder relative to the page; `images` the PNGs that folder holds."""
-    lines = [f"{provenance_line(merged)}; result: [{merged['folder']}]({link}/README.md)."]
-    if merged.get("steps"):
-        lines += ["", f"**Smoke run ({merged['steps']} steps per run): not the table's numbers.**"]
-    if merged["missing_parts"]:
-        lines += ["", missing_line(merged)]
-    lines += ["", sections_markdown(merged, "####")]
-    if merged["targets"]:
-        lines += ["", f"Targets. {merged.get('targets_note', '')}", "", targets_table(merged["targets"])]
-    if merged.get("checks"):
-        lines += [""] + [f"Check: {c}." for c in merged["checks"]]
+def docs_block(merged: dict, link: str, images: List[str], measured_elsewhere: Set[str] = frozenset(),
+               sections_elsewhere: Set[str] = frozenset(), reproduce: bool = True) -> str:
+    """What benchmarks/report.py writes between a table's markers in docs/benchmarks.md for one result folder.
+    `link` is the folder relative to the page; `images` the PNGs it holds. Parts in `measured_elsewhere` and
+    sections in `sections_elsewhere` are shown from another folder (other hardware): what this folder lacks of
+    them is left out rather than called not measured. `reproduce`: end with the table's command."""
+    shown = dict(merged, missing_parts=[p for p in merged["missing_parts"] if p not in measured_elsewhere],
+                 sections=[s for s in merged["sections"] if s["rows"] or s["key"] not in sections_elsewhere],
+                 targets=[t for t in merged["targets"] if t["met"] is not None or t["part"] not in measured_elsewhere])
+    lines = [f"{provenance_line(shown)}; result: [{shown['folder']}]({link}/README.md)."]
+    if shown.get("steps"):
+        lines += ["", f"**Smoke run ({shown['steps']} steps per run): not the table's numbers.**"]
+    if shown["missing_parts"]:
+        lines += ["", missing_line(shown)]
+    lines += ["", sections_markdown(shown, "####")]
+    if shown["targets"]:
+        lines += ["", f"Targets. {shown.get('targets_note', '')}", "", targets_table(shown["targets"])]
+    if shown.get("checks"):
+        lines += [""] + [f"Check: {c}." for c in shown["checks"]]
     if images:
         lines += [""] + [f"![{f[:-4].replace('_', ' ')}]({link}/{f})" for f in images]
-    lines += ["", f"Reproduce: `python benchmarks/tables.py {merged['table']}` (parts: "
-              + ", ".join(f"`{p}`" for p in list(merged["parts"]) + merged["missing_parts"]) + ")."]
+    if reproduce:
+        lines += ["", f"Reproduce: `python benchmarks/tables.py {shown['table']}` (parts: "
+                  + ", ".join(f"`{p}`" for p in list(merged["parts"]) + merged["missing_parts"]) + ")."]
     return "\n".join(lines)
 
 

@@ -91,10 +91,44 @@ def test_a_page_without_a_tables_markers_is_refused(page, tmp_path, capsys):
     assert "`<!-- /table:table-c2 -->`" in capsys.readouterr().err
 
 
-def test_newest_result_ignores_other_tables_and_names(tmp_path):
+def test_result_folders_ignore_other_tables_and_names(tmp_path):
     for name in ("2030-01-01_table-a_h200", "2030-05-01_table-d_h200", "2030-04-01_table-a_cpu", "notes",
-                 "2030-06-01_coat-1p36b_h200"):
+                 "2030-06-01_coat-1p36b_h200", "2030-02-01_table-a_h200", "2030-03-01_table-a_h100"):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name.split('_')[1] if '_' in name else name}.json").write_text("{}")
-    assert Path(report.newest_result(str(tmp_path), "table-a")).name == "2030-04-01_table-a_cpu"
-    assert report.newest_result(str(tmp_path), "table-c1") is None
+    # the newest of each hardware; the table's own (h200) first, then the others newest first
+    assert [Path(f).name for f in report.result_folders(str(tmp_path), "table-a")] == [
+        "2030-02-01_table-a_h200", "2030-04-01_table-a_cpu", "2030-03-01_table-a_h100"]
+    assert report.result_folders(str(tmp_path), "table-c1") == []
+
+
+def test_parts_measured_on_other_hardware_are_shown_once(page, tmp_path):
+    """A table measured in parts on two machines: each folder's block shows what it measured, and neither calls
+    a part, section or target not measured where the other folder has it."""
+    rng = random.Random(7)
+    results = tmp_path / "results"
+    h200, _ = _merged("table-a", "2030-02-01", rng)
+    h100, _ = _merged("table-a", "2030-01-01", rng)
+    h100["folder"], h100["hardware"] = "2030-01-01_table-a_h100", "h100"
+    # the H100 folder measured 1p36b-gbs32 only, the H200 folder 1p36b-gbs4 only
+    h100["parts"] = {"1p36b-gbs32": dict(h200["parts"]["1p36b-gbs4"], date="2030-01-01T01:02:03Z",
+                                         device_name="NVIDIA H100 80GB HBM3")}
+    h100["missing_parts"] = [p for p in h200["missing_parts"] if p != "1p36b-gbs32"] + ["1p36b-gbs4"]
+    for s in h100["sections"]:
+        s["rows"] = [] if s["key"] == "1p36b-gbs4" else s["rows"]
+    for s in h200["sections"]:
+        s["rows"] = [] if s["key"] == "1p36b-gbs32" else s["rows"]
+    h100["sections"][1]["rows"] = h200["sections"][0]["rows"]
+    h100["targets"] = [dict(t, value=None, met=None) for t in h100["targets"]]
+    _write(results, h200)
+    _write(results, h100)
+    assert report.main(["--page", str(page), "--results", str(results)]) == 0
+    text = page.read_text()
+    block = text[text.index("<!-- table:table-a -->"):text.index("<!-- /table:table-a -->")]
+    h200_block, h100_block = block.split("2030-01-01, commit")
+    assert "2030-02-01_table-a_h200" in h200_block and "2030-01-01_table-a_h100" in h100_block
+    assert "`1p36b-gbs32`" not in h200_block.split("Reproduce")[0] and "global batch 32" not in h200_block
+    assert "`1p36b-gbs4`" not in h100_block.split("Reproduce")[0] and "global batch 4\n" not in h100_block
+    assert "| 1p36b-gbs4 |" in h200_block and "| 1p36b-gbs4 |" not in h100_block
+    assert "Parts not measured yet: `7b-mbs2`" in h200_block and "Parts not measured yet: `7b-mbs2`" in h100_block
+    assert block.count("Reproduce:") == 1 and "Reproduce:" in h100_block
