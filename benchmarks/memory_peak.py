@@ -83,7 +83,7 @@ def main():
     lines = [f"max_memory_allocated {peak_total / gib:.2f} GiB; allocated before the recorded steps "
              f"(model state + persistent) {base / gib:.2f} GiB = {base / report['params']:.2f} bytes/param; "
              f"replayed peak above that {peak / gib:.2f} GiB",
-             f"optimizer memory_report (bytes/param): " + json.dumps({k: round(v, 3) for k, v in report.items()
+             "optimizer memory_report (bytes/param): " + json.dumps({k: round(v, 3) for k, v in report.items()
                                                                       if k != 'params'})]
     for k, v in sorted(groups.items(), key=lambda kv: -kv[1])[:25]:
         lines.append(f"{v / gib:8.3f} GiB  {k}")

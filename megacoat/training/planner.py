@@ -444,7 +444,7 @@ def format_plan(cfg: MegacoatConfig, world: int, plans: List[RankPlan]) -> str:
                      f"fp32 master weights): " + ", ".join(f"{k}{'*' if k == fmt_now else ''} {_gib(v)} + "
                                                            f"{_gib(pl.master[k])}" for k, v in pl.states.items()))
         loss = f" | loss (logits and their gradient) {_gib(pl.loss)}" if pl.loss else ""
-        lines.append(f"  activations per micro-batch (estimate): " +
+        lines.append("  activations per micro-batch (estimate): " +
                      ", ".join(f"{k}{'*' if k == recipe_now else ''} {_gib(v)}" for k, v in pl.activations.items())
                      + f" | up to {pl.in_flight} micro-batch(es) in flight{loss}")
         phases = " (one micro-batch: the larger of the forward's end and the backward's)" if _phases_apart(pl) else ""
