@@ -72,8 +72,12 @@ def write_json(path: str, data: dict) -> None:
 
 
 def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:  # edited or damaged by hand: written files are whole (write_json)
+        raise UsageError(f"{path} is not valid JSON ({e}): restore it from git or delete it and run its part "
+                         "again") from None
 
 
 def done_parts(out: str, table: Table) -> Dict[str, dict]:
@@ -102,7 +106,13 @@ def resolve_out(out: Optional[str], table: Table, hardware: Optional[str], steps
     """--out, else a scratch folder for --steps, else the newest result folder of this table and hardware that
     still lacks parts (or any newest one with --merge-only), else a new one dated today."""
     if out:
-        return os.path.abspath(out)
+        out = os.path.abspath(out)
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise UsageError(f"--out {out} is a file: give a folder (it is created if missing)")
+        if merge_only and not (os.path.isdir(out) and done_parts(out, table)):
+            raise UsageError(f"--merge-only: {out} holds no part of {table.name} to merge (its parts are written "
+                             f"as parts/NAME.json): give the folder the parts were written to")
+        return out
     if steps:
         return tempfile.mkdtemp(prefix=f"{table.name}-steps{steps}-")
     folders = sorted(d for d in (os.listdir(results) if os.path.isdir(results) else [])

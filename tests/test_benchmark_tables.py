@@ -158,6 +158,24 @@ def test_unknown_part_and_gpu_table_without_gpu(fake_table, capsys, monkeypatch)
     assert "runs on a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bad_out_folders_and_damaged_parts_get_one_line(fake_table, tmp_path, capsys):
+    """--out naming a file, --merge-only of a folder without parts (it is not created), and a part file that is
+    not JSON: a one-line error naming the path, never a traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert tables.main(["table-x", "--out", str(afile), "--part", "p1"]) == 2
+    assert f"--out {afile} is a file" in capsys.readouterr().err
+    empty = tmp_path / "nothing"
+    assert tables.main(["table-x", "--merge-only", "--out", str(empty)]) == 2
+    assert "holds no part of table-x" in capsys.readouterr().err and not empty.exists()
+    out = tmp_path / "t"
+    assert tables.main(["table-x", "--out", str(out), "--part", "p1"]) == 0
+    (out / "parts" / "p1.json").write_text('{"environment": {')
+    assert tables.main(["table-x", "--merge-only", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(out / "parts" / "p1.json") in err and "not valid JSON" in err
+
+
 def test_default_folder_resumes_the_newest_incomplete_one(fake_table, tmp_path, monkeypatch):
     table, _, _ = fake_table
     results = tmp_path / "results"
