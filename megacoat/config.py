@@ -698,6 +698,9 @@ def validate_config(cfg: MegacoatConfig, world_size: int) -> None:
         errors.append("--fp16 is not supported: use --bf16 (same memory, no loss scaling).")
     if t.bf16 and t.fp32:
         errors.append("--bf16 and --fp32 conflict: pick one.")
+    if t.use_cpu and p.distributed_backend == "nccl":  # NCCL runs on GPUs only
+        errors.append("--distributed-backend nccl needs GPUs and --use-cpu runs on the CPU: use --distributed-backend "
+                      "gloo, or leave it at auto (nccl on GPUs, gloo on the CPU).")
     errors += _lr_schedule_errors(cfg)
     if o.lr_decay_iters is None and t.train_samples is None:
         o.lr_decay_iters = t.train_iters

@@ -257,8 +257,15 @@ def test_nccl_backend_on_the_cpu_is_refused():
     from megacoat.config import ConfigError, parse_args
     from megacoat.training.trainer import Trainer
 
+    from megacoat.config import validate_config
+
+    # --use-cpu asks for the CPU whatever the machine has: refused with the other flags (so --dry-run says it too)
+    with pytest.raises(ConfigError, match="--distributed-backend nccl needs GPUs and --use-cpu runs on the CPU"):
+        validate_config(parse_args(BASE + ["--use-cpu", "--distributed-backend", "nccl"]), 1)
+    r = run_cli(BASE + ["--use-cpu", "--distributed-backend", "nccl", "--dry-run"])
+    assert r.returncode == 2 and "--use-cpu runs on the CPU" in r.stderr and "Traceback" not in r.stderr
     if torch.cuda.is_available():
-        pytest.skip("the CPU case")
+        pytest.skip("the no-GPU case")
     with pytest.raises(ConfigError, match="--distributed-backend nccl needs GPUs, but this run is on the CPU .*gloo"):
         Trainer(parse_args(BASE + ["--train-iters", "1", "--distributed-backend", "nccl"]))
 

@@ -446,13 +446,11 @@ class Trainer:
 
 
 def _check_backend(cfg: MegacoatConfig) -> None:
-    """NCCL runs on GPUs only: on the CPU, init_process_group fails with a traceback about device ids."""
-    if cfg.parallel.distributed_backend != "nccl":
-        return
-    why = "--use-cpu is given" if cfg.train.use_cpu else "no GPU is visible" if not torch.cuda.is_available() else None
-    if why:
-        raise ConfigError(f"--distributed-backend nccl needs GPUs, but this run is on the CPU ({why}): use "
-                          "--distributed-backend gloo, or leave it at auto (nccl on GPUs, gloo on the CPU).")
+    """NCCL runs on GPUs only: on the CPU, init_process_group fails with a traceback about device ids. (--use-cpu
+    with nccl is refused by validate_config; here the run finds no GPU.)"""
+    if cfg.parallel.distributed_backend == "nccl" and not cfg.train.use_cpu and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend nccl needs GPUs, but this run is on the CPU (no GPU is visible): "
+                          "use --distributed-backend gloo, or leave it at auto (nccl on GPUs, gloo on the CPU).")
 
 
 def apply_recompute(chunks, cfg: MegacoatConfig) -> None:
