@@ -837,7 +837,8 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
         named = [f for f, v in (("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples),
                                 ("--rampup-batch-size", t.rampup_batch_size)) if v]
         if named:
-            errors.append(f"{' / '.join(named)} need --train-samples (the schedule counts samples then).")
+            errors.append(f"{' / '.join(named)} need{'s' if len(named) == 1 else ''} --train-samples (the schedule "
+                          "counts samples then).")
         if t.train_iters is None:
             t.train_iters = DEFAULT_TRAIN_ITERS
         if o.lr_warmup_iters is None:

@@ -115,6 +115,9 @@ def _load_error(load_dir, extra=()):
 
 def test_missing_directory(tmp_path):
     assert "does not exist" in _load_error(str(tmp_path / "nope"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert f"{afile} is a file, not a checkpoint directory" in _load_error(str(afile))
 
 
 def test_empty_tracker(saved, tmp_path):

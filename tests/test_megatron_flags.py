@@ -84,8 +84,8 @@ def test_rampup_resume_is_exact(tmp_path, stop):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--lr-warmup-samples", "5"], "need --train-samples"),
-    (["--rampup-batch-size", "2", "2", "10"], "need --train-samples"),
+    (["--lr-warmup-samples", "5"], "needs --train-samples"),
+    (["--rampup-batch-size", "2", "2", "10"], "needs --train-samples"),
     (["--train-samples", "40", "--rampup-batch-size", "3", "5", "10"], "multiples of --micro-batch-size x DP"),
     (["--train-samples", "40", "--rampup-batch-size", "2", "4", "10"], "a multiple of INCREMENT"),
     (["--train-samples", "3"], "less than one global batch"),

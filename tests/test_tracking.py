@@ -154,3 +154,18 @@ def test_wandb_run_id_survives_a_restart(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted(glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*")))
     assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1, runs
+
+
+def test_wandb_without_a_login_is_one_line(tmp_path):
+    """--wandb-project with W&B online and no API key: wandb.init's UsageError was a traceback from the trainer's
+    constructor; now one line with the ways out (login, offline mode, no tracker), before any step."""
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in _env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_MODE="online", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
+               WANDB_CONFIG_DIR=str(tmp_path / "cfg"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + ARGS
+                       + ["--wandb-project", "megacoat-test", "--wandb-save-dir", str(tmp_path / "wb")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "--wandb-project megacoat-test: W&B could not start a run" in r.stderr
+    assert "WANDB_MODE=offline" in r.stderr and " iteration " not in r.stdout

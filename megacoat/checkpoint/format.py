@@ -204,6 +204,8 @@ def resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]] =
 
 
 def _resolve_checkpoint_dir(load_dir: str, log: Optional[Callable[[str], None]]) -> str:
+    if os.path.exists(load_dir) and not os.path.isdir(load_dir):
+        raise CheckpointError(f"{load_dir} is a file, not a checkpoint directory; check --load")
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check --load")
     if os.path.exists(os.path.join(load_dir, METADATA_FILE)):

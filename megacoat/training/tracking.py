@@ -85,8 +85,13 @@ def _start_wandb(cfg: MegacoatConfig):
     if cfg.checkpoint.save:
         kw = dict(id=wandb_run_id(cfg), resume="allow")
     # The resolved config (defaults filled in by validation) is the run's config.
-    return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, name=lg.wandb_exp_name,
-                      dir=lg.wandb_save_dir, config=cfg.to_dict(), **kw)
+    try:
+        return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, name=lg.wandb_exp_name,
+                          dir=lg.wandb_save_dir, config=cfg.to_dict(), **kw)
+    except wandb.errors.Error as e:  # no API key, no network, an unknown entity: before the first step
+        raise ConfigError(f"--wandb-project {lg.wandb_project}: W&B could not start a run ({e}); log in (wandb login "
+                          "or WANDB_API_KEY), or log without a network with WANDB_MODE=offline, or drop "
+                          "--wandb-project.") from None
 
 
 def wandb_run_id(cfg: MegacoatConfig) -> str:
