@@ -283,3 +283,66 @@ def test_train_tokenizer_will_not_overwrite_its_input(tmp_path, capsys):
     rc, err = _train_tokenizer(capsys, "--input", tmp_path, "--output-model", src, "--vocab-size", 300, "--threads", 1)
     assert rc == 2 and f"--output-model {src} is one of the --input files" in err
     assert src.read_bytes() == before
+
+
+def test_an_unpaired_surrogate_escape_is_a_bad_line(tmp_path, capsys):
+    """A JSON escape of half a UTF-16 pair ("\\ud800", left by text cut inside an emoji) decodes to no text:
+    SentencePiece raised from inside the tokenizer (a traceback, even with --skip-bad-lines); now it is a bad
+    line like undecodable bytes, and a full pair is still one character."""
+    rng = random.Random(13)
+    src = tmp_path / "c.jsonl"
+    good = _words(60, rng)
+    lines = [json.dumps({"text": t}) for t in good]
+    lines.insert(30, '{"text": "cut \\ud83d here"}')
+    lines.append('{"text": "a pair \\ud83d\\ude00 is fine"}')
+    src.write_text("\n".join(lines) + "\n")
+    model = tmp_path / "t.model"
+    args = ["--input", src, "--output-model", model, "--vocab-size", 300, "--threads", 1]
+    rc, err = _train_tokenizer(capsys, *args)
+    assert rc == 1 and f"{src}:31: key 'text' holds an unpaired surrogate \\ud83d" in err and not model.exists()
+    rc, err = _train_tokenizer(capsys, *args, "--skip-bad-lines")
+    assert rc == 0 and "skipped 1 bad line(s)" in err
+    common = ["--input", src, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+    for workers in (1, 2):
+        rc, err = _preprocess(capsys, *common, "--output-prefix", tmp_path / "stop", "--workers", workers)
+        assert rc == 1 and f"{src}:31: key 'text' holds an unpaired surrogate" in err
+        assert not list(tmp_path.glob("stop_*"))
+    rc, err = _preprocess(capsys, *common, "--output-prefix", tmp_path / "skip", "--skip-bad-lines")
+    assert rc == 0 and "skipped 1 bad line(s)" in err
+    from megacoat.data.indexed_dataset import IndexedDataset
+    from megacoat.data.tokenizer import build_tokenizer_by_type
+    tok = build_tokenizer_by_type("GPTSentencePieceTokenizer", str(model))
+    ds = IndexedDataset(str(tmp_path / "skip_text_document"))
+    assert len(ds) == 61 and tok.detokenize(ds[60].tolist()) == "a pair \U0001F600 is fine"
+
+
+def test_a_byte_order_mark_is_no_text(tmp_path, capsys):
+    """A UTF-8 byte-order mark opening a file (as Windows editors write) made the first JSONL line 'malformed
+    JSON' and went into the first document of a text file; it is left out."""
+    rng = random.Random(14)
+    docs = [_ids(6, rng) for _ in range(3)]
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + "".join(json.dumps({"text": d}) + "\n" for d in docs).encode())
+    (tmp_path / "b.txt").write_bytes(bom + "".join(d + "\n" for d in docs).encode())
+    (tmp_path / "c.py").write_bytes(bom + docs[0].encode())
+    from megacoat.data.indexed_dataset import IndexedDataset
+    want = [[int(x) for x in d.split()] for d in docs]
+    for name, fmt, expect in (("a.jsonl", "auto", want), ("b.txt", "auto", want), ("c.py", "text-files", want[:1])):
+        rc, err = _preprocess(capsys, "--input", tmp_path / name, "--input-format", fmt, "--output-prefix",
+                              tmp_path / name.replace(".", "_"), "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                              10)
+        assert rc == 0, err
+        ds = IndexedDataset(str(tmp_path / f"{name.replace('.', '_')}_text_document"))
+        assert [ds[i].tolist() for i in range(len(ds))] == expect
+
+
+def test_preprocess_will_not_overwrite_its_input(tmp_path, capsys):
+    """Text named like the dataset the prefix writes was replaced by that dataset (the text was lost)."""
+    src = tmp_path / "c_text_document.idx"
+    src.write_text(_ids(8, random.Random(15)) + "\n")
+    before = src.read_bytes()
+    for prefix in (tmp_path / "c", os.path.relpath(tmp_path / "c")):
+        rc, err = _preprocess(capsys, "--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", 10)
+        assert rc == 1 and f"the output {prefix}_text_document.idx is one of the --input files" in err
+    assert src.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["c_text_document.idx"]

@@ -117,16 +117,23 @@ def _open(path: str):
             yield raw, raw.tell
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def read_records(files: Sequence[str], input_format: str) -> Iterator[Record]:
+    """A file's UTF-8 byte-order mark (Windows editors write one) is left out: it is no text of the first
+    document (and no JSON: json.loads refuses the first line)."""
     for path in files:
         fmt = detect_format(path) if input_format == "auto" else input_format
         if fmt == "text-files":
             with _open(path) as (f, _):
-                yield Record(path, 0, f.read(), os.path.getsize(path))
+                yield Record(path, 0, f.read().removeprefix(UTF8_BOM), os.path.getsize(path))
             continue
         with _open(path) as (f, position):
             held, done = None, 0  # one record held back: the file's last one also carries its unread tail
             for lineno, line in enumerate(f, start=1):
+                if lineno == 1:
+                    line = line.removeprefix(UTF8_BOM)
                 if fmt == "jsonl" and not line.strip():
                     continue  # blank lines in JSONL are not documents
                 if held is not None:
@@ -200,6 +207,10 @@ def parse_record(record: Record, input_format: str, json_keys: Sequence[str]) ->
             raise BadInputError(f"{where}: missing key {key!r} (see --json-keys)")
         if not isinstance(obj[key], str):
             raise BadInputError(f"{where}: key {key!r} is {type(obj[key]).__name__}, expected a string")
+        surrogate = re.search(r"[\ud800-\udfff]", obj[key])
+        if surrogate:  # a JSON escape such as \ud800 with no partner: no UTF-8 text, no tokenizer takes it
+            raise BadInputError(f"{where}: key {key!r} holds an unpaired surrogate "
+                                f"\\u{ord(surrogate.group()):04x} (a broken JSON escape), not text")
         out[key] = obj[key]
     return out
 
@@ -401,6 +412,11 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     prefixes = {k: (output_names or {}).get(k) or output_prefix_for(output_prefix, k) for k in json_keys}
     if not output_names:
         check_output_prefix(output_prefix)
+    inputs = {os.path.realpath(f) for f in files}
+    for prefix in prefixes.values():
+        for out in (f"{prefix}.bin", f"{prefix}.idx"):
+            if os.path.realpath(out) in inputs:  # the finished dataset would replace the text it was read from
+                raise ValueError(f"the output {out} is one of the --input files: choose another --output-prefix")
     builders = {k: IndexedDatasetBuilder(p, dtype=dtype) for k, p in prefixes.items()}
     total_bytes = sum(os.path.getsize(f) for f in files)
     bar = None
