@@ -17,6 +17,8 @@ def test_sampling_rules():
     assert all(sample(logits, 1.0, 1, 1.0, False, g) == 1 for _ in range(20))        # top-k 1 = greedy
     assert all(sample(logits, 1.0, 0, 0.01, False, g) == 1 for _ in range(20))       # tiny nucleus = greedy
     assert {sample(logits, 1.0, 2, 1.0, False, g) for _ in range(200)} == {1, 2}     # top-k 2: two ids only
+    for tiny in (1e-40, 1e-300):  # below float32's range: was inf - inf = NaN in the softmax, a traceback
+        assert all(sample(logits, tiny, 0, 1.0, False, g) == 1 for _ in range(5))
 
 
 def test_generate_from_checkpoint(tmp_path, capsys):
@@ -37,6 +39,9 @@ BAD_FLAGS = [
     (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]"),
     (["--top-k", "-2"], "--top-k -2"),
     (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
+    (["--temperature", "-1"], "--temperature -1.0 is negative"),  # was greedy decoding, silently
+    (["--prompt", "5 \udcff"], "--prompt is not UTF-8 text (bytes b'\\xff' at character 2)"),  # argv's bytes
+    (["--vocab-size", "20"], "--vocab-size without --tokenizer-type would be ignored"),  # was ignored
     (["--device", "tpu"], "--device 'tpu' is not a device"),
 ]
 if not torch.cuda.is_available():
@@ -75,3 +80,14 @@ def test_load_model_takes_a_dtype_or_its_name(tmp_path):
     for bad in ("int8", torch.int64, 3):
         with pytest.raises(ValueError, match="load_model: dtype"):
             megacoat.load_model(save, dtype=bad)
+
+
+def test_only_ids_the_tokenizer_has_are_sampled(checkpoint, capsys):
+    """A tokenizer with fewer ids than the model's embedding has rows (padding, or one given by flag): ids
+    past it were sampled and printed (or failed to decode, a traceback from SentencePiece)."""
+    flags = ["--load", checkpoint, "--tokenizer-type", "NullTokenizer", "--vocab-size", "20", "--prompt", "3 4",
+             "--max-new-tokens", "40"]
+    for seed in range(3):
+        assert GEN["main"](flags + ["--seed", str(seed)]) == 0
+        out = [int(i) for i in capsys.readouterr().out.split()]
+        assert out[:2] == [3, 4] and max(out) < 20, out

@@ -20,9 +20,11 @@ import torch  # noqa: E402
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
                 generator: torch.Generator) -> int:
     """logits [vocab] -> one token id (greedy, or temperature + top-k + nucleus sampling)."""
-    if greedy or temperature <= 0:
+    if greedy or temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    # The likeliest at 0 before scaling: however small the temperature, no inf - inf (NaN) in the softmax;
+    # float64 keeps a temperature below float32's range from rounding to 0.
+    logits = (logits.double() - logits.max()) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -35,12 +37,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 @torch.no_grad()
-def generate(model, ids, max_new_tokens, context, stop_id=None, **sampling):
+def generate(model, ids, max_new_tokens, context, stop_id=None, vocab_size=None, **sampling):
+    """Samples only ids below `vocab_size` (the tokenizer's): an embedding with more rows than the tokenizer has
+    ids (padding, a smaller tokenizer passed by flag) would otherwise give ids the tokenizer cannot decode."""
     ids = list(ids)
     device = next(model.parameters()).device
     for _ in range(max_new_tokens):
         x = torch.tensor([ids[-context:]], device=device)
-        nxt = sample_next(model(x)[0, -1], **sampling)
+        nxt = sample_next(model(x)[0, -1, :vocab_size], **sampling)
         ids.append(nxt)
         if stop_id is not None and nxt == stop_id:
             break
@@ -52,6 +56,9 @@ def check_sampling_flags(a) -> None:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens} is negative; give the number of tokens to add")
     if not math.isfinite(a.temperature):
         raise ValueError(f"--temperature {a.temperature} is not a number; give one > 0 (or --greedy)")
+    if a.temperature < 0:
+        raise ValueError(f"--temperature {a.temperature} is negative; give one > 0 (0 or --greedy: the likeliest "
+                         "token)")
     if not 0 < a.top_p <= 1:
         raise ValueError(f"--top-p {a.top_p} is outside (0, 1]; 1 keeps every token (use --greedy for the likeliest)")
     if a.top_k < 0:
@@ -74,6 +81,11 @@ def check_device(name: str) -> torch.device:
 def tokenize_prompt(tokenizer, text: str, vocab_size: int):
     """The prompt's ids (the end-of-document id for an empty prompt), each one the model has an embedding for."""
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes of another encoding reach sys.argv as lone surrogates
+        raise ValueError(f"--prompt is not UTF-8 text (bytes {os.fsencode(text[e.start:e.end])!r} at character "
+                         f"{e.start}); give the prompt in UTF-8") from None
+    try:
         ids = tokenizer.tokenize(text) if text else []
     except ValueError as e:  # NullTokenizer: text that is not ids
         raise ValueError(f"--prompt {text!r} cannot be tokenized by the checkpoint's {type(tokenizer).__name__} "
@@ -90,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: the likeliest token, as --greedy.")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -108,6 +120,11 @@ def main(argv=None) -> int:
     from megacoat.checkpoint.model_io import load_tokenizer
     try:
         check_sampling_flags(a)
+        stray = [f for f, v in (("--tokenizer-model", a.tokenizer_model), ("--vocab-file", a.vocab_file),
+                                ("--merge-file", a.merge_file), ("--vocab-size", a.vocab_size)) if v is not None]
+        if stray and not a.tokenizer_type:  # the checkpoint's own tokenizer would be used, these flags ignored
+            raise ValueError(f"{', '.join(stray)} without --tokenizer-type would be ignored (the checkpoint's "
+                             "tokenizer is used); add --tokenizer-type, or leave them out")
         device = check_device(a.device)
         model = megacoat.load_model(a.load, device=device, dtype=a.dtype)
         from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
@@ -128,7 +145,8 @@ def main(argv=None) -> int:
         return 2
     g = torch.Generator().manual_seed(a.seed)
     ids = generate(model, prompt, a.max_new_tokens, model.m.max_position_embeddings, stop_id=tokenizer.eod,
-                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, greedy=a.greedy, generator=g)
+                   vocab_size=tokenizer.vocab_size, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                   greedy=a.greedy, generator=g)
     print(tokenizer.detokenize([i for i in ids if i != tokenizer.eod]))
     return 0
 
