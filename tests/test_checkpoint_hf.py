@@ -136,3 +136,40 @@ def test_unsupported_features_are_refused(tmp_path, capsys):
     assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "nope"), "--save-format", "megacoat",
                    "--save-dir", str(tmp_path / "out")) == 2
 
+
+
+def test_a_sentencepiece_tokenizer_comes_back_from_hugging_face(tmp_path, capsys):
+    """The export writes a SentencePiece tokenizer as tokenizer.model (no tokenizer.json); importing such a
+    directory left the tokenizer behind (a checkpoint that took token ids only). It is kept, both ways."""
+    import random
+    import shutil
+
+    from megacoat.checkpoint.model_io import load_tokenizer
+    from megacoat.data.tokenizer_training import train_sentencepiece
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "def", "class", "return"]
+    docs = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(200)]
+    sp = str(tmp_path / "sp.model")
+    train_sentencepiece(docs, sp, vocab_size=120, byte_fallback=False, num_threads=1)
+    llama().save_pretrained(tmp_path / "hf")
+    shutil.copyfile(sp, tmp_path / "hf" / "tokenizer.model")
+    mc = str(tmp_path / "mc")
+    assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                   "--save-dir", mc) == 0
+    tok, want = load_tokenizer(mc), load_tokenizer_of_file(sp)
+    assert type(tok).__name__ == "GPTSentencePieceTokenizer" and tok.eod == want.eod == 2
+    assert tok.tokenize(docs[0]) == want.tokenize(docs[0]) and tok.detokenize(tok.tokenize(docs[1])) == docs[1]
+    assert convert("--load-format", "megacoat", "--load-dir", mc, "--save-format", "hf",
+                   "--save-dir", str(tmp_path / "hf2")) == 0
+    assert (tmp_path / "hf2" / "tokenizer.model").read_bytes() == (tmp_path / "hf" / "tokenizer.model").read_bytes()
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"not a SentencePiece model")  # refused, not dropped
+    capsys.readouterr()
+    assert convert("--load-format", "hf", "--load-dir", str(tmp_path / "hf"), "--save-format", "megacoat",
+                   "--save-dir", str(tmp_path / "bad")) == 2
+    assert "convert a copy without tokenizer.model" in capsys.readouterr().err
+    assert not list(tmp_path.glob("bad/iter_*"))
+
+
+def load_tokenizer_of_file(model_file):
+    from megacoat.data.tokenizer import build_tokenizer_by_type
+    return build_tokenizer_by_type("GPTSentencePieceTokenizer", model_file)

@@ -23,6 +23,7 @@ FAMILIES = {"llama": hf_llama, "gpt2": hf_gpt2}
 # Buffers some HF checkpoints carry that are not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SENTENCEPIECE_FILE = "tokenizer.model"  # what the export writes for a SentencePiece tokenizer
 OUTPUT_LAYER = "lm_head.weight"
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,38 +103,55 @@ def hf_to_megacoat(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, dtype: 
     tensors = cast_weights(tensors, dtype)
     cfg = MegacoatConfig()
     cfg.model = m
-    has_tokenizer = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
-    if has_tokenizer:
-        check_tokenizer_fits(hf_dir, vocab_size)
-        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
-        cfg.data.tokenizer_model = os.path.abspath(os.path.join(save_dir, iteration_dir_name(0), TOKENIZER_DIR))
+    kind, file = tokenizer_of_hf(hf_dir)
+    if kind:
+        n = check_tokenizer_fits(hf_dir, vocab_size, kind, file)
+        cfg.data.tokenizer_type = kind
+        tokenizer_dir = os.path.abspath(os.path.join(save_dir, iteration_dir_name(0), TOKENIZER_DIR))
+        cfg.data.tokenizer_model = tokenizer_dir if kind == "HuggingFaceTokenizer" else \
+            os.path.join(tokenizer_dir, file)
     else:  # ids only; vocab_size is the embedding's row count
         cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", vocab_size - 1
 
     def copy_tokenizer(partial: str) -> dict:
-        if not has_tokenizer:
+        if not kind:
             return {"tokenizer": {"type": "NullTokenizer", "vocab_size": vocab_size}}
         os.makedirs(os.path.join(partial, TOKENIZER_DIR), exist_ok=True)
-        for f in TOKENIZER_FILES:
+        for f in {file, *TOKENIZER_FILES}:
             if os.path.exists(os.path.join(hf_dir, f)):
                 shutil.copyfile(os.path.join(hf_dir, f), os.path.join(partial, TOKENIZER_DIR, f))
-        return {"tokenizer": {"type": "HuggingFaceTokenizer", "file": os.path.join(TOKENIZER_DIR, "tokenizer.json")}}
+        info = {"type": kind, "file": os.path.join(TOKENIZER_DIR, file)}
+        return {"tokenizer": info if kind == "HuggingFaceTokenizer" else {**info, "vocab_size": n}}
 
     return write_model_checkpoint(save_dir, m, vocab_size, tensors, tp=tp, cfg=cfg, extra_files=copy_tokenizer)
 
 
-def check_tokenizer_fits(hf_dir: str, vocab_size: int) -> None:
+def tokenizer_of_hf(hf_dir: str):
+    """(megacoat tokenizer type, its file) of a Hugging Face directory's tokenizer, or (None, None): a
+    tokenizer.json, else a SentencePiece tokenizer.model (what the export writes for one, with megacoat's
+    encoding: no BOS added, end of document = the model's eos)."""
+    if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+        return "HuggingFaceTokenizer", "tokenizer.json"
+    if os.path.exists(os.path.join(hf_dir, SENTENCEPIECE_FILE)):
+        return "GPTSentencePieceTokenizer", SENTENCEPIECE_FILE
+    return None, None
+
+
+def check_tokenizer_fits(hf_dir: str, vocab_size: int, kind: str = "HuggingFaceTokenizer",
+                         file: str = "tokenizer.json") -> int:
     """The tokenizer copied into the checkpoint must load and give only ids the embedding has rows for:
-    the checkpoint's users (tools/generate.py, training with its flags) refuse it otherwise."""
+    the checkpoint's users (tools/generate.py, training with its flags) refuse it otherwise. Returns its size."""
     from ..data.tokenizer import TokenizerError, build_tokenizer_by_type
     try:
-        n = build_tokenizer_by_type("HuggingFaceTokenizer", hf_dir).vocab_size
+        n = build_tokenizer_by_type(kind, hf_dir if kind == "HuggingFaceTokenizer" else
+                                    os.path.join(hf_dir, file)).vocab_size
     except TokenizerError as e:
         raise CheckpointError(f"the tokenizer in {hf_dir} cannot be used ({e}); fix it, or convert a copy without "
-                              "tokenizer.json (the checkpoint then takes token ids)") from None
+                              f"{file} (the checkpoint then takes token ids)") from None
     if n > vocab_size:
         raise CheckpointError(f"the tokenizer in {hf_dir} has {n} ids but the model's embedding only {vocab_size} "
                               "rows: ids past it would index outside the embedding; the tokenizer is not this model's")
+    return n
 
 
 def megacoat_to_hf(checkpoint_dir: str, save_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False,
