@@ -256,6 +256,11 @@ def test_the_dry_run_prints_the_predicted_step(h200):
     assert "DP gradient sync (exposed)" in text
     with pytest.raises(ConfigError, match="--hardware nosuch: no such machine file"):
         dry_run(parse_args(SMALL + ["--hardware", "nosuch"]), 1000, io.StringIO())
+    # a --use-cpu run gets its memory plan and no GPU step time
+    out = io.StringIO()
+    dry_run(parse_args(SMALL + ["--use-cpu"]), 1000, out)
+    assert "predicted step: none for a --use-cpu run" in out.getvalue() and "predicted step on" not in out.getvalue()
+    assert "peak with this configuration" in out.getvalue()
 
 
 def test_the_recorded_runs_stay_within_the_stated_tolerances(h200):

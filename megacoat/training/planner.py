@@ -470,5 +470,9 @@ def dry_run(cfg: MegacoatConfig, vocab_size: int, stream, launched_world: int = 
     hw = load_hardware(cfg.train.hardware, cfg.train.inter_node_gbps)  # a bad file fails before the planning
     plans = plan_run(cfg, world, vocab_size)
     print(format_plan(cfg, world, plans), file=stream, flush=True)
-    print(format_step_time(predict(cfg, world, plans, hw, vocab_size), hw), file=stream, flush=True)
+    if cfg.train.use_cpu:  # the step-time model describes GPUs (docs/planner.md)
+        print("predicted step: none for a --use-cpu run (the step-time model describes GPUs); leave out --use-cpu to "
+              f"predict the step on --hardware {cfg.train.hardware}", file=stream, flush=True)
+    else:
+        print(format_step_time(predict(cfg, world, plans, hw, vocab_size), hw), file=stream, flush=True)
     return plans
