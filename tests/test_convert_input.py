@@ -551,3 +551,20 @@ def test_damaged_megatron_checkpoints_are_named(tmp_path, capsys, old_and_new):
     (out / "latest_checkpointed_iteration.txt").write_text("7")
     assert convert(*from_megatron, "--save-dir", str(tmp_path / "b")) == 2
     _one_line_error(capsys, "names '7'", "iter_0000007 does not exist")
+
+
+def test_a_megacoat_checkpoint_given_as_megatron_or_an_empty_directory_flag_is_named(tmp_path, capsys, old_and_new):
+    """A megacoat checkpoint read as Megatron (same tracker name, a metadata.json as torch_dist has) was told
+    of a "sharded backend None"; an empty --save-dir or --load-dir was told of a lock file or of a directory ''.
+    A failed conversion leaves no --save-dir it created (it held the lock file)."""
+    mc, _, _ = old_and_new
+    capsys.readouterr()
+    for path in (mc, mc / "iter_0000000"):
+        assert convert("--load-format", "megatron", "--load-dir", str(path), "--save-format", "megacoat",
+                       "--save-dir", str(tmp_path / "new")) == 2
+        _one_line_error(capsys, f"{path} is a megacoat checkpoint, not a Megatron-LM one", "--load-format megacoat")
+    for flag, load, save in (("--save-dir", str(mc), ""), ("--load-dir", "", str(tmp_path / "new"))):
+        assert convert("--load-format", "megacoat", "--load-dir", load, "--save-format", "megacoat",
+                       "--save-dir", save) == 2
+        _one_line_error(capsys, f"{flag} is empty: name a directory")
+    assert not (tmp_path / "new").exists()

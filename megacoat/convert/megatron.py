@@ -13,6 +13,7 @@ Megatron gets a `release` checkpoint and megacoat iteration 0.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 
 from ..checkpoint.checkpointer import copy_tokenizer, point_at_tokenizer_copy
 from ..checkpoint.collect import MODEL_KIND
-from ..checkpoint.format import CheckpointError, iteration_dir_name
+from ..checkpoint.format import FORMAT_NAME, METADATA_FILE, CheckpointError, iteration_dir_name
 from ..checkpoint.model_io import model_config_of, open_checkpoint, write_model_checkpoint
 from ..config import MegacoatConfig
 from .megatron_dist import is_dist_format, read_dist_checkpoint
@@ -51,6 +52,9 @@ DEFAULT_SPEC = "transformer_engine"  # Megatron's default --transformer-impl
 def read_megatron(load_dir: str):
     """(common state with 'args', full TP=1 Megatron tensors, format name, layer spec or None if unknown)."""
     iter_dir = resolve_iteration_dir(load_dir)
+    if _is_megacoat_checkpoint(iter_dir):  # the same tracker file name and a metadata.json, as torch_dist has
+        raise CheckpointError(f"{load_dir} is a megacoat checkpoint, not a Megatron-LM one: convert it with "
+                              "--load-format megacoat")
     if is_torch_format(iter_dir):
         common, full, spec, _ = read_torch_checkpoint(iter_dir)  # the spec its parameter names belong to
         fmt = "torch"
@@ -65,6 +69,14 @@ def read_megatron(load_dir: str):
     if common.get("args") is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint saved no args; megacoat takes the model flags from them")
     return common, full, fmt, spec
+
+
+def _is_megacoat_checkpoint(iter_dir: str) -> bool:
+    try:
+        with open(os.path.join(iter_dir, METADATA_FILE)) as f:
+            return json.load(f).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):  # no such file, not JSON, not an object: not megacoat's
+        return False
 
 
 def recorded_spec(meta: dict) -> Optional[str]:

@@ -32,6 +32,7 @@ weights, tokenizer and generation settings), so an interrupted conversion never 
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -104,10 +105,19 @@ def convert(a, dtype) -> str:
     return out
 
 
+def remove_unused_save_dir(save_dir: str, created: bool) -> None:
+    """A --save-dir that a failed conversion created and left holding only its lock file is removed: no empty
+    directory named like an output stays behind (e.g. after a mistyped --load-dir)."""
+    from megacoat.checkpoint.ownership import LOCK_FILE
+    if created and os.path.isdir(save_dir) and os.listdir(save_dir) in ([], [LOCK_FILE]):
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     from megacoat.checkpoint.ownership import SaveDirLock
     dtype = DTYPES.get(a.dtype)
+    created = not os.path.exists(a.save_dir)
     try:
         for flag, size in (("tensor", a.target_tensor_parallel_size), ("pipeline", a.target_pipeline_parallel_size)):
             if size < 1:
@@ -124,6 +134,9 @@ def main(argv=None) -> int:
         if from_megatron_only and a.load_format != "megatron":
             raise CheckpointError(f"{', '.join(from_megatron_only)} apply to --load-format megatron only (a megacoat "
                                   "checkpoint or Hugging Face model brings its own tokenizer and vocabulary size)")
+        for flag, path in (("--load-dir", a.load_dir), ("--save-dir", a.save_dir)):
+            if not path:
+                raise CheckpointError(f"{flag} is empty: name a directory")
         if os.path.exists(a.save_dir) and not os.path.isdir(a.save_dir):
             raise CheckpointError(f"--save-dir {a.save_dir} is a file, not a directory; choose a directory")
         if os.path.realpath(a.save_dir) == os.path.realpath(a.load_dir):
@@ -134,9 +147,11 @@ def main(argv=None) -> int:
         with lock or contextlib.nullcontext():
             out = convert(a, dtype)
     except (CheckpointError, ValueError) as e:
+        remove_unused_save_dir(a.save_dir, created)
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a full disk: every output is written aside and published only when complete
+        remove_unused_save_dir(a.save_dir, created)
         where = f" ({e.filename})" if e.filename else ""
         print(f"convert.py: error: {e.strerror or e}{where}; no incomplete output was published: fix the cause "
               "and convert again", file=sys.stderr)
