@@ -786,7 +786,8 @@ def _method_errors(cfg: MegacoatConfig) -> list:
     zero_flags = [f for f, on in (("--quantized-weights", c.quantized_weights),
                                   ("--quantized-gradients", c.quantized_gradients)) if on]
     if zero_flags and not p.use_distributed_optimizer:
-        errors.append(f"{' and '.join(zero_flags)} need --use-distributed-optimizer (SDP4Bit compresses the ZeRO "
+        errors.append(f"{' and '.join(zero_flags)} need{'s' if len(zero_flags) == 1 else ''} "
+                      "--use-distributed-optimizer (SDP4Bit compresses the ZeRO "
                       "optimizer's collectives).")
     if c.quantize_weights_directly and not c.quantized_weights:
         errors.append("--quantize-weights-directly is an ablation of --quantized-weights: add that flag.")

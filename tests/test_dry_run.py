@@ -101,7 +101,7 @@ def test_dry_run_counts_the_kept_fp8_weight_copies_a_real_run_allocates(cache):
 def test_configuration_errors_surface_in_the_dry_run():
     with pytest.raises(ConfigError, match="not divisible by --tensor-model-parallel-size 4"):
         plan_run(parse_args(BASE + ["--tensor-model-parallel-size", "4"]), 6, 301)
-    with pytest.raises(ConfigError, match="need --use-distributed-optimizer"):
+    with pytest.raises(ConfigError, match="--quantized-gradients needs --use-distributed-optimizer"):
         plan_run(parse_args(BASE + ["--quantized-gradients"]), 2, 301)
     with pytest.raises(ConfigError, match="spread unevenly over nodes"):
         plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--ranks-per-node", "3"]), 4, 301)
