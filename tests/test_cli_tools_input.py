@@ -245,6 +245,8 @@ def test_train_tokenizer_bad_lines_name_the_flag_and_are_shown_ten_at_most(tmp_p
     args = ["--input", src, "--output-model", tmp_path / "t.model", "--vocab-size", 300, "--threads", 1]
     rc, err = _train_tokenizer(capsys, *args)
     assert rc == 1 and f"{src}:61: malformed JSON" in err and "(pass --skip-bad-lines to skip malformed lines)" in err
+    # raised inside SentencePiece's reading: its message, not SentencePiece's with a Python stack ("At: ...")
+    assert err.startswith(f"error: {src}:61: malformed JSON") and len(err.strip().splitlines()) == 2, err
     rc, err = _train_tokenizer(capsys, *args, "--skip-bad-lines")
     assert rc == 0 and err.count("skipping bad line:") == 10 and "skipped 30 bad line(s)" in err
 
@@ -346,3 +348,22 @@ def test_preprocess_will_not_overwrite_its_input(tmp_path, capsys):
                               "--vocab-size", 10)
         assert rc == 1 and f"the output {prefix}_text_document.idx is one of the --input files" in err
     assert src.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["c_text_document.idx"]
+
+
+def test_ctrl_c_while_sentencepiece_reads_the_text_is_an_interruption(tmp_path, capsys, monkeypatch):
+    """Ctrl-C arrives while SentencePiece pulls lines from the reader (most of a training's reading): it was
+    reported as 'SentencePiece training failed: INTERNAL: KeyboardInterrupt' with exit code 1."""
+    src = _jsonl(tmp_path / "c.jsonl", _words(50, random.Random(16)))
+    out = tmp_path / "t.model"
+    read = train_tokenizer.texts
+
+    def interrupted(*args, **kwargs):
+        for i, text in enumerate(read(*args, **kwargs)):
+            if i == 20:
+                raise KeyboardInterrupt
+            yield text
+
+    monkeypatch.setattr(train_tokenizer, "texts", interrupted)
+    rc, err = _train_tokenizer(capsys, "--input", src, "--output-model", out, "--vocab-size", 300, "--threads", 1)
+    assert rc == 128 + signal.SIGINT and err.strip() == f"interrupted: no model written ({out} is as it was)"
+    assert not out.exists()

@@ -81,10 +81,20 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
                        allow_whitespace_only_pieces=True)
     proto = io.BytesIO()
     counts = SentenceCounts()
+    raised = []
+
+    def sentences():
+        try:
+            yield from sentences_within_budget(documents, byte_budget, counts)
+        except BaseException as e:  # a bad line, Ctrl-C: SentencePiece would turn it into a RuntimeError with a
+            raised.append(e)        # Python stack in its text
+            raise
+
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=sentences_within_budget(documents, byte_budget, counts),
-                                       model_writer=proto, **options)
+        spm.SentencePieceTrainer.train(sentence_iterator=sentences(), model_writer=proto, **options)
     except RuntimeError as e:
+        if raised:
+            raise raised[0] from None
         raise RuntimeError(_training_failure(str(e), counts, vocab_size, byte_fallback)) from e
     tmp = f"{output_model}.tmp{os.getpid()}"
     try:
