@@ -86,8 +86,10 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
     def sentences():
         try:
             yield from sentences_within_budget(documents, byte_budget, counts)
-        except BaseException as e:  # a bad line, Ctrl-C: SentencePiece would turn it into a RuntimeError with a
-            raised.append(e)        # Python stack in its text
+        except BaseException as e:
+            # A bad line, Ctrl-C: SentencePiece turns it into a RuntimeError with a Python stack in its text;
+            # kept to be raised as itself.
+            raised.append(e)
             raise
 
     try:
