@@ -2,6 +2,7 @@
 taken over, a directory without its tracker is resumed (never taken for empty), another run's
 checkpoints are never overwritten or pruned."""
 import io
+import json
 import os
 import shutil
 import signal
@@ -164,3 +165,35 @@ def test_a_conversion_into_a_live_runs_directory_is_refused(held_lock, tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"--save {save} is in use by another run" in r.stderr and f"pid {owner.pid}" in r.stderr
     assert not _iters(save)
+
+
+def test_a_refused_conversion_leaves_the_directory_another_run_just_made(tmp_path, monkeypatch):
+    """--save-dir did not exist when convert.py started, and another run created and locked it before convert's
+    lock: the refused conversion must leave that run's directory and lock file alone (a failed conversion removes
+    only a directory that it made and holds)."""
+    import megacoat.checkpoint.ownership as ownership
+    from test_checkpoint_hf import convert
+
+    src, save = str(tmp_path / "src"), str(tmp_path / "new")
+    train(["--train-iters", "1", "--save", src])
+    holders = []
+    real = ownership.SaveDirLock
+
+    def lock_after_another_run(save_dir, run_id, *a, **kw):
+        p = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, save_dir], env=_env(), cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+        holders.append(p)
+        assert p.stdout.readline().strip() == "locked"
+        return real(save_dir, run_id, *a, **kw)
+
+    monkeypatch.setattr(ownership, "SaveDirLock", lock_after_another_run)
+    try:
+        assert convert("--load-format", "megacoat", "--load-dir", src, "--save-format", "megacoat",
+                       "--save-dir", save) == 2
+        assert os.listdir(save) == [LOCK_FILE]
+        with open(os.path.join(save, LOCK_FILE)) as f:
+            assert json.load(f)["pid"] == holders[0].pid  # still the other run's lock
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()

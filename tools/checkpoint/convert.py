@@ -32,7 +32,6 @@ weights, tokenizer and generation settings), so an interrupted conversion never 
 import argparse
 import contextlib
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -105,12 +104,15 @@ def convert(a, dtype) -> str:
     return out
 
 
-def remove_unused_save_dir(save_dir: str, created: bool) -> None:
-    """A --save-dir that a failed conversion created and left holding only its lock file is removed: no empty
-    directory named like an output stays behind (e.g. after a mistyped --load-dir)."""
+def remove_unused_save_dir(save_dir: str, lock) -> None:
+    """A --save-dir that this failed conversion created is removed again where it holds nothing but its lock file
+    (e.g. after a mistyped --load-dir): no empty directory named like an output stays behind. Called while this
+    run holds the directory's lock, so no other run writes there; os.rmdir leaves a directory anything has entered."""
     from megacoat.checkpoint.ownership import LOCK_FILE
-    if created and os.path.isdir(save_dir) and os.listdir(save_dir) in ([], [LOCK_FILE]):
-        shutil.rmtree(save_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        if lock is not None and os.listdir(save_dir) == [LOCK_FILE]:
+            os.remove(os.path.join(save_dir, LOCK_FILE))
+        os.rmdir(save_dir)
 
 
 def main(argv=None) -> int:
@@ -145,13 +147,16 @@ def main(argv=None) -> int:
         # A training run's directory is written by one run at a time: a live run's lock refuses the conversion.
         lock = SaveDirLock(a.save_dir, "conversion") if a.save_format in ("megacoat", "megatron") else None
         with lock or contextlib.nullcontext():
-            out = convert(a, dtype)
+            try:
+                out = convert(a, dtype)
+            except (CheckpointError, ValueError, OSError):
+                if created:
+                    remove_unused_save_dir(a.save_dir, lock)
+                raise
     except (CheckpointError, ValueError) as e:
-        remove_unused_save_dir(a.save_dir, created)
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a full disk: every output is written aside and published only when complete
-        remove_unused_save_dir(a.save_dir, created)
         where = f" ({e.filename})" if e.filename else ""
         print(f"convert.py: error: {e.strerror or e}{where}; no incomplete output was published: fix the cause "
               "and convert again", file=sys.stderr)
