@@ -163,7 +163,7 @@ def test_a_conversion_into_a_live_runs_directory_is_refused(held_lock, tmp_path)
                         "megacoat", "--load-dir", src, "--save-format", "megacoat", "--save-dir", save, "--force"],
                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert f"--save {save} is in use by another run" in r.stderr and f"pid {owner.pid}" in r.stderr
+    assert f"--save-dir {save} is in use by another run" in r.stderr and f"pid {owner.pid}" in r.stderr
     assert not _iters(save)
 
 

@@ -38,16 +38,17 @@ def _describe(owner: dict) -> str:
 
 
 class SaveDirLock:
-    """An exclusive lock on a save directory, held until `release()` or the process ends."""
+    """An exclusive lock on a save directory, held until `release()` or the process ends. `flag` names the
+    directory in messages (pretrain_gpt.py's --save, convert.py's --save-dir)."""
 
-    def __init__(self, save_dir: str, run_id: str, log: Callable[[str], None] = print):
+    def __init__(self, save_dir: str, run_id: str, log: Callable[[str], None] = print, flag: str = "--save"):
         self.path = os.path.join(save_dir, LOCK_FILE)
         self._fd: Optional[int] = None
         try:
             os.makedirs(save_dir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise CheckpointError(f"cannot create {self.path}: {e}; check that --save {save_dir} is writable") from None
+            raise CheckpointError(f"cannot create {self.path}: {e}; check that {flag} {save_dir} is writable") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -55,8 +56,8 @@ class SaveDirLock:
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(
-                    f"--save {save_dir} is in use by another run ({_describe(owner)}): two runs writing one "
-                    "directory destroy each other's checkpoints. Stop that run, or pass another --save directory"
+                    f"{flag} {save_dir} is in use by another run ({_describe(owner)}): two runs writing one "
+                    f"directory destroy each other's checkpoints. Stop that run, or pass another {flag} directory"
                 ) from None
             if e.errno in _NO_LOCKING:
                 log(f"warning: the filesystem of {save_dir} does not support file locks ({e.strerror}); nothing "
@@ -65,7 +66,7 @@ class SaveDirLock:
             raise CheckpointError(f"cannot lock {self.path}: {e}") from None
         previous = _read_owner(fd)
         if previous:
-            log(f"taking over --save {save_dir} from a run that ended without releasing it ({_describe(previous)})")
+            log(f"taking over {flag} {save_dir} from a run that ended without releasing it ({_describe(previous)})")
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
