@@ -824,6 +824,17 @@ def global_batch_size_at(cfg: MegacoatConfig, consumed_samples: int) -> int:
     return min(gbs, start + int(consumed_samples // per_increment) * inc)
 
 
+def steps_within_train_samples(cfg: MegacoatConfig, consumed_samples: int) -> int:
+    """Whole steps (each of global_batch_size_at) that fit between `consumed_samples` and --train-samples."""
+    steps, consumed = 0, consumed_samples
+    while True:
+        gbs = global_batch_size_at(cfg, consumed)
+        if consumed + gbs > cfg.train.train_samples:
+            return steps
+        consumed += gbs
+        steps += 1
+
+
 def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
     """--train-samples (with --lr-warmup-samples / --lr-decay-samples / --rampup-batch-size) and
     --lr-warmup-fraction; resolves --train-iters (from --train-samples, else its default) and --lr-warmup-iters.
@@ -872,13 +883,7 @@ def _sample_schedule_errors(cfg: MegacoatConfig, dp: int) -> list:
             return errors + [f"--rampup-batch-size {start} {inc} {samples} with the interleaved schedule: every "
                              f"step's micro-batches must be a multiple of --pipeline-model-parallel-size {pp}, so "
                              f"START and INCREMENT must be multiples of {unit * pp}."]
-    iters, consumed = 0, 0
-    while True:  # whole steps that fit in --train-samples
-        gbs = global_batch_size_at(cfg, consumed)
-        if consumed + gbs > t.train_samples:
-            break
-        consumed += gbs
-        iters += 1
+    iters = steps_within_train_samples(cfg, 0)
     if iters < 1:
         return errors + [f"--train-samples {t.train_samples} is less than one global batch."]
     if t.train_iters not in (None, iters):  # (validating twice finds the number it set)

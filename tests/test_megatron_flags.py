@@ -83,6 +83,25 @@ def test_rampup_resume_is_exact(tmp_path, stop):
     assert got == want and len(got) == 6
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed_gbs", [4, 16])
+def test_train_samples_resumed_with_another_global_batch_trains_the_remaining_samples(tmp_path, resumed_gbs):
+    """--train-samples counts samples: a run resumed with another --global-batch-size stops where the samples
+    run out, not after the number of steps its batch size would take from scratch (too many, or none at all)."""
+    flags = BASE + ["--train-samples", "48"]
+    ckpt = tmp_path / "ckpt"
+    a = run_cli(flags + ["--global-batch-size", "8", "--save", str(ckpt), "--exit-interval", "2"])
+    assert a.returncode == 0, a.stderr[-2000:]
+    log = tmp_path / "b.jsonl"
+    b = run_cli(flags + ["--global-batch-size", str(resumed_gbs), "--load", str(ckpt), "--save", str(ckpt),
+                         "--log-json", str(log)])
+    assert b.returncode == 0, b.stderr[-2000:]
+    # 16 samples consumed by the first run; the remaining 32 in whole steps of the new batch
+    want = list(range(16 + resumed_gbs, 49, resumed_gbs))
+    assert [x["consumed_samples"] for x in _records(log)] == want
+    assert [x["iteration"] for x in _records(log)] == list(range(3, 3 + len(want)))
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--lr-warmup-samples", "5"], "needs --train-samples"),
     (["--rampup-batch-size", "2", "2", "10"], "needs --train-samples"),

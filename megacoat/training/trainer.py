@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, apply_checkpoint_args
-from ..config import ConfigError, MegacoatConfig, global_batch_size_at, num_microbatches, validate_config
+from ..config import (ConfigError, MegacoatConfig, global_batch_size_at, num_microbatches,
+                      steps_within_train_samples, validate_config)
 from ..data import build_data_iterators, build_datasets, build_tokenizer, check_vocab_size
 from ..kernels import triton_available
 from ..model.flops import flops_per_token
@@ -203,6 +204,7 @@ class Trainer:
         # Checkpoints: resume now, before the data iterators are built from state.consumed_samples.
         self.checkpointer = Checkpointer(cfg, self.ctx, log=self.logger.info, start_time=process_start_time())
         self.checkpointer.load(self)
+        self._count_steps_in_samples()
         self._cover_resumed_run()
         self.skip_guard = SkipGuard(cfg.train.max_skipped_iterations, self.device)
         self.exit_signal = ExitSignalHandler(self.device, timeout_minutes=cfg.parallel.distributed_timeout_minutes) \
@@ -237,6 +239,14 @@ class Trainer:
         return note
 
     # ----------------------------------------------------------------------------------- data
+    def _count_steps_in_samples(self) -> None:
+        """--train-samples counts samples: a run resumed from a checkpoint of another --global-batch-size (or ramp)
+        trains the whole steps left between the consumed samples and --train-samples. The steps validate_config
+        counted from sample 0 would stop it too early (a larger batch) or train past the budget (a smaller one)."""
+        t, st = self.cfg.train, self.state
+        if t.train_samples is not None and st.consumed_samples:
+            t.train_iters = st.iteration + steps_within_train_samples(self.cfg, st.consumed_samples)
+
     def _cover_resumed_run(self) -> None:
         """The train split is sized --train-iters x --global-batch-size; a run resumed from a checkpoint of a
         larger global batch has consumed more than its iterations account for, and needs the samples up to
