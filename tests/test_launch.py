@@ -135,3 +135,17 @@ def test_a_rank_failing_alone_fails_the_job_fast(tmp_path):
     assert r.returncode != 0
     assert "rank 1 fails alone" in r.stderr
     assert time.time() - t0 < 45
+
+
+@pytest.mark.slow
+def test_ranks_per_node_splitting_a_dp_group_unevenly_is_a_message():
+    """3 ranks as nodes of 2 (--ranks-per-node 2): the DP group [0, 1, 2] has 2 ranks on one node and 1 on the
+    other. Every rank refuses with the one-line configuration error, no rank with a traceback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+           str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + TINY + \
+        ["--global-batch-size", "6", "--train-iters", "1", "--ranks-per-node", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert r.returncode != 0
+    assert "pretrain_gpt.py: error: DP group [0, 1, 2] is spread unevenly over nodes of 2 ranks (--ranks-per-node" \
+        in r.stderr, r.stderr[-3000:]
+    assert "[rank0]: Traceback" not in r.stderr and "exitcode: 2" in r.stderr, r.stderr[-3000:]

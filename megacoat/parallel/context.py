@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from .launch_env import LaunchEnv
 
 
@@ -47,15 +48,17 @@ def two_level_dp_groups(dp_group: List[int], ranks_per_node: int):
 
     Returns (intra, inter): lists of rank lists. Intra: DP ranks sharing a node. Inter: the
     i-th DP rank of every node. Every node must hold the same number of this group's ranks,
-    otherwise two-level communication cannot be symmetric and we raise.
+    otherwise two-level communication cannot be symmetric and we raise ConfigError (a ValueError).
     """
     by_node: Dict[int, List[int]] = {}
     for r in dp_group:
         by_node.setdefault(r // ranks_per_node, []).append(r)
     sizes = {len(v) for v in by_node.values()}
     if len(sizes) != 1:
-        raise ValueError(f"DP group {dp_group} is spread unevenly over nodes of {ranks_per_node} ranks; "
-                         "choose --ranks-per-node so every node holds the same number of DP ranks.")
+        raise ConfigError(f"DP group {dp_group} is spread unevenly over nodes of {ranks_per_node} ranks "
+                          "(--ranks-per-node; default: the launcher's processes per node), but the two-level "
+                          "data-parallel groups need the same number of its ranks on every node: choose another "
+                          "--ranks-per-node, or another --tensor-model-parallel-size / --pipeline-model-parallel-size.")
     intra = [by_node[n] for n in sorted(by_node)]
     per_node = sizes.pop()
     inter = [[intra[n][i] for n in range(len(intra))] for i in range(per_node)]
