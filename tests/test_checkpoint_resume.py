@@ -166,6 +166,14 @@ def test_cli_reports_checkpoint_errors_without_traceback(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_learned_position_table_of_another_size_names_the_flag(tmp_path):
+    save = str(tmp_path / "ckpt")
+    learned = ["--position-embedding-type", "learned_absolute"]
+    train(["--train-iters", "2", "--save", save] + learned)
+    msg = _load_error(save, learned + ["--max-position-embeddings", "48"])
+    assert "--max-position-embeddings: checkpoint 32, this run 48" in msg and "--use-checkpoint-args" in msg
+
+
 @pytest.mark.parametrize("flag,value", [("--rotary-base", "5000"), ("--norm-epsilon", "1e-6")])
 def test_flags_that_change_the_function_are_checked_on_load(saved, flag, value):
     """Same shapes, another function: loading must refuse, naming the flag (and the way out)."""

@@ -93,6 +93,8 @@ def check_architecture(saved: dict, model_cfg, path: str) -> None:
     names = ARCHITECTURE_FLAGS + FUNCTION_FLAGS
     if model_cfg.position_embedding_type != "rope":
         names = tuple(k for k in names if k != "rotary_base")
+    if model_cfg.position_embedding_type == "learned_absolute":  # the size of the position table
+        names += ("max_position_embeddings",)
     diffs = [f"{_flag(k)}: checkpoint {saved_model[k]}, this run {getattr(model_cfg, k)}"
              for k in names if k in saved_model and saved_model[k] != getattr(model_cfg, k)]
     if diffs:
