@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megacoat.checkpoint import CheckpointError
 from megacoat.config import parse_args
@@ -17,7 +18,12 @@ COMMON = TINY + ["--global-batch-size", "4", "--fp32", "--num-workers", "0"]  # 
 
 def train(args, log_stream=None):
     """Train in this process (world 1); returns the losses of the steps it ran."""
-    trainer = Trainer(parse_args(COMMON + args), log_stream=log_stream or open(os.devnull, "w"))
+    return train_with(COMMON + args, log_stream)
+
+
+def train_with(argv, log_stream=None):
+    """train() with the whole command line given (no COMMON flags added)."""
+    trainer = Trainer(parse_args(argv), log_stream=log_stream or open(os.devnull, "w"))
     losses = []
     trainer.train(on_step=lambda t, rec: losses.append(rec.loss))
     return losses, trainer
@@ -79,6 +85,22 @@ def _two_process_async_resume(tmp_path, args):
 ], ids=["tp2-sp", "dp2-fp8", "zero2-fp8"])
 def test_exact_resume_two_processes_async_save(tmp_path, layout):
     _two_process_async_resume(tmp_path, COMMON + ["--train-iters", "6"] + layout)
+
+
+@pytest.mark.parametrize("states", ["fp32", "fp8"])  # torch AdamW; the precision-aware optimizer's flat masters
+def test_fp32_run_resumed_from_bf16_continues_from_the_masters(tmp_path, states):
+    """A bf16 run's fp32 masters hold more than its bf16 weights. An fp32 run, whose weights are their own
+    masters, resumes from the checkpoint's masters, not from its weights rounded to bf16."""
+    save = str(tmp_path / "ckpt")
+    bf16 = [a if a != "--fp32" else "--bf16" for a in COMMON] + STATE_FORMATS[states]
+    _, first = train_with(bf16 + ["--train-iters", "4", "--exit-interval", "2", "--save", save])
+    masters = {r.param.global_name: r.tensors["master"].clone() for r in first.optimizer.state_ranges()}
+    t = Trainer(parse_args(COMMON + STATE_FORMATS[states] + ["--train-iters", "4", "--load", save]),
+                log_stream=open(os.devnull, "w"))
+    for p in t.model.parameters():
+        rounded = masters[p.global_name].bfloat16().float()
+        assert not torch.equal(masters[p.global_name], rounded)  # the masters are not bf16 values
+        assert torch.equal(p.detach().view(-1), masters[p.global_name]), p.global_name
 
 
 def test_finetune_and_no_load_optim(tmp_path):

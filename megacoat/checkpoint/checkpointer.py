@@ -121,8 +121,10 @@ def parallel_layout(ctx) -> dict:
 
 
 # ------------------------------------------------------------------------------ model/optim
-def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
-    """Every parameter from the checkpoint's model weights, resharded to this rank (cast to its dtype)."""
+def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank: int, tp_size: int,
+                       keep: frozenset = frozenset()) -> None:
+    """Every parameter from the checkpoint's model weights, resharded to this rank (cast to its dtype). Those
+    whose id() is in `keep` keep their values: their weights are read (and checked) but not used."""
     # A pipeline stage holds some of the model; ModelChunks knows the names of every stage's.
     names = getattr(model, "all_parameter_names", None) or {p.global_name for p in model.parameters()}
     extra = sorted(set(reader.names()) - names)
@@ -132,7 +134,7 @@ def load_model_weights(reader: CheckpointReader, model: torch.nn.Module, tp_rank
     with torch.no_grad():
         for p in model.parameters():
             target = layout_of_parameter(p, tp_size, model.vocab_size)
-            flat = p.detach().view(-1)
+            flat = p.detach().view(-1) if id(p) not in keep else torch.empty_like(p).view(-1)
             reader.read_into(MODEL_KIND, p.global_name, target, tp_rank, 0, flat.numel(), flat)
 
 
@@ -208,6 +210,13 @@ def _load_converted(reader: CheckpointReader, model, optimizer, r, tp_rank: int,
             canon = reader.canonical(kind, name) if i == 0 else reader.canonical_per_element(kind, name, GROUP_SIZE)
             parts.append(target.local_from_canonical(canon, tp_rank).reshape(-1)[r.start: r.end])
         view.copy_(optimizer.dequantize_state(*parts))
+
+
+def weights_that_are_masters(optimizer) -> frozenset:
+    """id() of the parameters whose whole tensor is their fp32 master (one storage: no separate copy)."""
+    return frozenset(id(r.param) for r in optimizer.state_ranges()
+                     if "master" in r.tensors and r.start == 0 and r.end == r.param.numel()
+                     and r.tensors["master"].data_ptr() == r.param.data_ptr())
 
 
 def masters_from_weights(optimizer) -> None:
@@ -356,8 +365,11 @@ class Checkpointer:
             trainer.optimizer.load_scalar_state(reader.common()["optimizer"])
             trainer.optimizer.after_load()
             # The saved weights themselves, not a rounding of the masters: under weight-difference
-            # communication (qWD) they differ, and exact resume needs the ones training used.
-            load_model_weights(reader, trainer.model, ctx.tp_rank, ctx.tp_size)
+            # communication (qWD) they differ, and exact resume needs the ones training used. Weights that
+            # are their own (fp32) masters keep the masters just loaded: from a bf16 run's checkpoint, its
+            # weights are those masters rounded to bf16.
+            load_model_weights(reader, trainer.model, ctx.tp_rank, ctx.tp_size,
+                               keep=weights_that_are_masters(trainer.optimizer))
         if c.finetune:
             return
         common = reader.common()
