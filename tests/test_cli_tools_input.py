@@ -122,7 +122,10 @@ def test_an_interrupted_run_leaves_no_file_and_no_traceback(tmp_path, sig, worke
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(src),
                              "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size",
                              "10", "--workers", str(workers), "--log-interval", "0"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # a shell without job control starts background jobs with SIGINT ignored, and Python
+                            # then installs no Ctrl-C handler: the child gets the default, as a terminal gives it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not [p for p in tmp_path.glob("o_*.tmp*") if p.stat().st_size] and proc.poll() is None:
         assert time.time() < deadline, "the run never started writing"
