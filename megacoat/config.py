@@ -193,6 +193,11 @@ class CommConfig:
     gradient_alltoall_pipeline: int = _f(1, "Split each gradient bucket into this many slices so that one slice's "
                                             "inter-node hop overlaps the next one's intra-node hop.")
 
+    @property
+    def sdp4bit(self) -> bool:
+        """Any SDP4Bit collective is on (it replaces the ZeRO optimizer's plain ones)."""
+        return self.quantized_weights or self.quantized_gradients
+
 
 @dataclass
 class DataConfig:

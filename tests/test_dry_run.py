@@ -104,7 +104,10 @@ def test_configuration_errors_surface_in_the_dry_run():
     with pytest.raises(ConfigError, match="--quantized-gradients needs --use-distributed-optimizer"):
         plan_run(parse_args(BASE + ["--quantized-gradients"]), 2, 301)
     with pytest.raises(ConfigError, match="spread unevenly over nodes"):
-        plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--ranks-per-node", "3"]), 4, 301)
+        plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--quantized-gradients", "--ranks-per-node", "3"]),
+                 4, 301)
+    # plain ZeRO over nodes that split the DP group unevenly plans (only SDP4Bit needs node-level groups)
+    assert plan_run(parse_args(BASE + ["--use-distributed-optimizer", "--ranks-per-node", "3"]), 4, 301)
 
 
 @pytest.mark.slow

@@ -254,3 +254,17 @@ def test_the_scaling_table_replaces_only_its_block(tmp_path, monkeypatch):
     assert plan_tool.scaling_markdown(rows) in text and "3,850 (1.10x)" in text
     assert "7B, COAT: 8 GPUs at 100 Gb/s 1.10x, 64 GPUs at 100 Gb/s 1.10x." in text
     assert sorted(os.listdir(tmp_path)) in (["p.png", "planner.md"], ["planner.md"])  # no temporary file left
+
+
+def test_sdp4bit_only_where_nodes_split_each_dp_group_evenly():
+    """12 GPUs as 3 nodes of 4 with PP 2: DP 6 groups lie 4 + 2 over nodes, DP 3 groups 2 + 1. Plain ZeRO runs
+    there (and is proposed); SDP4Bit's two-level groups cannot, so no such candidate is offered, and asking for it
+    is refused naming --ranks-per-node."""
+    argv = MODEL + ["--ranks-per-node", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "12"]
+    res = search(argv, 12, load_hardware("h200"), 1000, recipes=["bf16"], states=["fp32"], max_micro_batch=2,
+                 recompute=False)
+    uneven = [c for c in res.candidates if re.search(r"PP 2 (vp \d+ )?DP [36],", c.summary)]
+    assert uneven and all(c.summary.endswith("ZeRO plain") for c in uneven), [c.summary for c in uneven]
+    res = search(argv + ["--use-distributed-optimizer", "--quantized-gradients"], 12, load_hardware("h200"), 1000,
+                 recipes=["bf16"], states=["fp32"], max_micro_batch=2, recompute=False)
+    assert not res.candidates and any("spread unevenly" in r and "--ranks-per-node" in r for r in res.invalid)

@@ -226,6 +226,6 @@ def _drain(gen) -> None:
 
 def build_comm(cfg, ctx, stats: CommStats, seed: int) -> Optional[SDP4BitComm]:
     """The SDP4Bit strategy when any of its flags is on, else None (the optimizer's plain default)."""
-    if not (cfg.quantized_weights or cfg.quantized_gradients):
+    if not cfg.sdp4bit:
         return None
     return SDP4BitComm(cfg, ctx, stats, seed)

@@ -56,13 +56,25 @@ def two_level_dp_groups(dp_group: List[int], ranks_per_node: int):
     sizes = {len(v) for v in by_node.values()}
     if len(sizes) != 1:
         raise ConfigError(f"DP group {dp_group} is spread unevenly over nodes of {ranks_per_node} ranks "
-                          "(--ranks-per-node; default: the launcher's processes per node), but the two-level "
-                          "data-parallel groups need the same number of its ranks on every node: choose another "
-                          "--ranks-per-node, or another --tensor-model-parallel-size / --pipeline-model-parallel-size.")
+                          "(--ranks-per-node; default: the launcher's processes per node), but SDP4Bit's two-level "
+                          "data-parallel groups (--quantized-weights / --quantized-gradients) need the same number "
+                          "of its ranks on every node: choose another --ranks-per-node, or another "
+                          "--tensor-model-parallel-size / --pipeline-model-parallel-size.")
     intra = [by_node[n] for n in sorted(by_node)]
     per_node = sizes.pop()
     inter = [[intra[n][i] for n in range(len(intra))] for i in range(per_node)]
     return intra, inter
+
+
+def dp_groups_split_evenly(world_size: int, tp: int, pp: int, ranks_per_node: int) -> bool:
+    """Whether every DP group of the grid has the same number of ranks on each node (what SDP4Bit's two-level
+    groups need)."""
+    try:
+        for dp_ranks in rank_grid(world_size, tp, pp)["dp"]:
+            two_level_dp_groups(dp_ranks, ranks_per_node)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass
@@ -119,7 +131,8 @@ class ParallelContext:
 
     @classmethod
     def build(cls, tp: int, pp: int, device: torch.device, ranks_per_node: Optional[int] = None,
-              timeout_minutes: Optional[float] = None, high_priority: Sequence[str] = ()) -> "ParallelContext":
+              timeout_minutes: Optional[float] = None, high_priority: Sequence[str] = (),
+              two_level_dp: bool = True) -> "ParallelContext":
         """Create every group. Must be called on all ranks after init_process_group (or alone, world 1).
 
         `ranks_per_node`: processes per node (default: all on one node).
@@ -127,7 +140,10 @@ class ParallelContext:
         inherit init_process_group's timeout (it falls back to torch's 30-minute default), so without
         it a rank waiting on a stuck peer in a TP/DP/PP collective would hang for half an hour.
         `high_priority` (--high-priority-stream-groups): the kinds of group ("dp" covers its intra- and
-        inter-node subgroups) whose NCCL streams are created with high priority."""
+        inter-node subgroups) whose NCCL streams are created with high priority.
+        `two_level_dp`: SDP4Bit is on and needs each DP group split by node (the same number of its ranks on
+        every node, else ConfigError); off, a DP group spread unevenly over nodes simply gets no node-level
+        subgroups (plain data parallelism and ZeRO use the whole DP group)."""
         if not dist.is_initialized():
             if tp * pp != 1:
                 raise ValueError("tensor/pipeline parallel sizes > 1 need torch.distributed (launch with torchrun)")
@@ -153,8 +169,13 @@ class ParallelContext:
             g = dist.new_group(ranks, **kw_of("embedding"))
             if rank in ranks:
                 ctx.embedding_group = g
-        for dp_ranks in grid["dp"]:
-            intra, inter = two_level_dp_groups(dp_ranks, rpn)
+        try:
+            splits = [two_level_dp_groups(dp_ranks, rpn) for dp_ranks in grid["dp"]]
+        except ConfigError:
+            if two_level_dp:
+                raise
+            splits = []  # every rank decides alike (same grid): no new_group calls for node-level subgroups
+        for intra, inter in splits:
             for kind, lists in (("intra", intra), ("inter", inter)):
                 for ranks in lists:
                     g = dist.new_group(ranks, **kw_of("dp"))

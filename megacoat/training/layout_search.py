@@ -24,6 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..config import ConfigError, MegacoatConfig, parse_args, resolve_model_defaults, validate_config
+from ..parallel.context import dp_groups_split_evenly
 from .hardware import Hardware
 from .planner import (AUTO_FP8_COPIES_SHARE, RankPlan, peak_estimate, plan_stages, replan_activations)
 from .step_time import NO_ZERO, StepTime, methods_of, predict
@@ -125,13 +126,16 @@ def _with(cfg: MegacoatConfig, **sections) -> MegacoatConfig:
     return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
-def _method_configs(cfg: MegacoatConfig, fixed: set, dp: int, recipes, states, comms) -> Iterable[MegacoatConfig]:
+def _method_configs(cfg: MegacoatConfig, fixed: set, dp: int, recipes, states, comms,
+                    by_node: bool = True) -> Iterable[MegacoatConfig]:
     """The configuration of each method combination of one layout (recipe x states x data-parallel option; the
-    gradient dtype and the optimizer kind belong to the layout: they change its buffers)."""
+    gradient dtype and the optimizer kind belong to the layout: they change its buffers). `by_node`: the layout's
+    DP groups split evenly over nodes, as SDP4Bit's options need."""
     rs = [None] if "recipe" in fixed else [r for r in recipes if r in RECIPES]
     ss = [None] if "states" in fixed else [s for s in states if s in STATES]
     zero = cfg.parallel.use_distributed_optimizer
-    cs = [None] if "comm" in fixed else ([c for c in comms if c in COMMS] if dp > 1 and zero else ["plain"])
+    cs = [None] if "comm" in fixed else ([c for c in comms if c in COMMS and (by_node or c == "plain")]
+                                         if dp > 1 and zero else ["plain"])
     for r in rs:
         pr = {} if r is None else {"fp8_format": None if r == "bf16" else "hybrid",
                                    "fp8_recipe": "coat" if r in (None, "bf16") else r}
@@ -256,6 +260,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
             res.invalid.append(f"TP {tp} PP {pp}: --global-batch-size {base.train.global_batch_size} is not a "
                                f"multiple of DP {dp} x a micro-batch")
             continue
+        by_node = dp_groups_split_evenly(world, tp, pp, base.parallel.ranks_per_node or world)
         for grads in ([None] if "grads" in fixed else [False, True]):
             for zero in ([None] if "zero" in fixed else ([True] if dp > 1 else [True, False])):
                 zpar = {} if zero is None else dict(use_distributed_optimizer=zero, overlap_grad_reduce=zero,
@@ -289,7 +294,7 @@ def search(argv: Sequence[str], world: int, hw: Hardware, vocab_size: int, recip
                             plans = replan_activations(plans0, batch, world, vocab_size, GPU)
                         except ConfigError:
                             continue
-                        for cfg in _method_configs(batch, fixed, dp, recipes, states, comms):
+                        for cfg in _method_configs(batch, fixed, dp, recipes, states, comms, by_node):
                             res.configurations += 1
                             try:
                                 validate_config(cfg, world)

@@ -231,9 +231,13 @@ def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: t
     out["all-reduce (no ZeRO)"] = {"grad": sum(ring_all_reduce_bytes(n, grad_elem, dp) for n in sizes), "param": 0}
     buf = ParamGradBuffer([torch.empty_like(p, device=META).requires_grad_() for p in params], grad_dtype, dp,
                           ctx.dp_rank, bucket_size, shard_alignment(dp))
+    # SDP4Bit needs each DP group split evenly by node; ParallelContext leaves an uneven one without that split.
+    by_node = dp == 1 or ctx.dp_intra_size * ctx.dp_inter_size == dp
     for name, (qw, qg) in COMM_OPTIONS.items():
+        if (qw or qg) and not by_node:
+            continue
         c = dataclasses.replace(cfg.comm, quantized_weights=qw, quantized_gradients=qg)
-        sdp = SDP4BitComm(c, ctx, None, 0)
+        sdp = SDP4BitComm(c, ctx, None, 0) if qw or qg else None
         kinds: Dict[str, int] = {}
         for b in buf.buckets:
             grad = sdp.grad_wire_bytes(b.shard_size) if qg else \
@@ -255,7 +259,7 @@ def plan_position(cfg: MegacoatConfig, world: int, rank: int, vocab_size: int, t
     _fake_group(rank, world)
     try:
         ctx0 = ParallelContext.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, META,
-                                     p.ranks_per_node)
+                                     p.ranks_per_node, two_level_dp=cfg.comm.sdp4bit)
         recipe = resolve_precision(cfg.train, target, p.grad_reduce_in_bf16, cfg.precision,
                                    num_microbatches(cfg, ctx0.dp_size), p.overlap_param_gather)
         padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, ctx0.tp_size)

@@ -152,7 +152,7 @@ class Trainer:
                                          cfg.parallel.pipeline_model_parallel_size, self.device,
                                          cfg.parallel.ranks_per_node or launch.local_world_size,
                                          cfg.parallel.distributed_timeout_minutes,
-                                         cfg.parallel.high_priority_stream_groups)
+                                         cfg.parallel.high_priority_stream_groups, two_level_dp=cfg.comm.sdp4bit)
         self._fp8_refresher = None  # remakes kept FP8 weight copies after each step (built on first use)
         self.recipe = resolve_precision(cfg.train, self.device, cfg.parallel.grad_reduce_in_bf16, cfg.precision,
                                         num_microbatches(cfg, self.ctx.dp_size), cfg.parallel.overlap_param_gather)
