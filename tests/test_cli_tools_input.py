@@ -77,6 +77,23 @@ def test_a_json_key_given_twice_is_refused(tmp_path, capsys):
     assert not list(tmp_path.glob("o_*"))
 
 
+@pytest.mark.parametrize("tokenizer,flags,named", [
+    ("NullTokenizer", ["--vocab-size", 10, "--tokenizer-model", "tok.model"], "--tokenizer-model would be ignored"),
+    ("HuggingFaceTokenizer", ["--tokenizer-model", "tok", "--vocab-size", 10], "--vocab-size would be ignored"),
+    ("GPT2BPETokenizer", ["--vocab-file", "v.json", "--merge-file", "m.txt", "--vocab-size", 10],
+     "--vocab-size would be ignored"),
+    ("NullTokenizer", ["--vocab-size", 10, "--vocab-file", "v.json", "--merge-file", "m.txt"],
+     "--vocab-file --merge-file would be ignored")])
+def test_tokenizer_flags_the_type_does_not_read_are_refused(tmp_path, capsys, tokenizer, flags, named):
+    """They were silently ignored: --vocab-size with a SentencePiece or HF tokenizer, a --tokenizer-model with
+    NullTokenizer (Megatron's tool ignores them too)."""
+    src = _jsonl(tmp_path / "a.jsonl", [_ids(5, random.Random(2))])
+    rc, err = _preprocess(capsys, "--input", src, "--output-prefix", tmp_path / "o", "--tokenizer-type", tokenizer,
+                          *flags)
+    assert rc == 2 and f"{named} by --tokenizer-type {tokenizer}" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("o_*"))
+
+
 def test_an_output_prefix_that_names_no_file_or_lies_under_a_file_is_refused(tmp_path, capsys):
     src = _jsonl(tmp_path / "a.jsonl", [_ids(5, random.Random(3))])
     args = ["--input", src, "--tokenizer-type", "NullTokenizer", "--vocab-size", 10]

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megacoat.config import int_at_least  # noqa: E402
 from megacoat.data.preprocessing import (INPUT_FORMATS, BadInputError, empty_output_warning,  # noqa: E402
                                          expand_inputs, preprocess, run_interruptible)
-from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
+from megacoat.data.tokenizer import TOKENIZER_TYPES, TokenizerError, unused_tokenizer_flags  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -59,6 +59,13 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    unused = unused_tokenizer_flags(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                    vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    if unused:
+        print(f"error: {' '.join(unused)} would be ignored by --tokenizer-type {args.tokenizer_type}: leave "
+              f"{'them' if len(unused) > 1 else 'it'} out, or choose the tokenizer type that reads "
+              f"{'them' if len(unused) > 1 else 'it'}", file=sys.stderr)
+        return 2
     try:
         files = expand_inputs(args.input, args.input_suffix)
         if not files:

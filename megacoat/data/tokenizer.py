@@ -248,6 +248,18 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Huggi
                    "NullTokenizer")
 
 
+# The flags each tokenizer type reads; the others would be ignored.
+_TOKENIZER_FLAGS = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"), "NullTokenizer": ("--vocab-size",)}
+
+
+def unused_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
+    """The flags in `given` (tokenizer_model=..., vocab_size=..., vocab_file=..., merge_file=...; None: not given)
+    that `tokenizer_type` does not read."""
+    reads = _TOKENIZER_FLAGS.get(tokenizer_type, ("--tokenizer-model",))
+    flags = ["--" + k.replace("_", "-") for k, v in given.items() if v is not None]
+    return [f for f in flags if f not in reads]
+
+
 def build_tokenizer_by_type(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                             vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
                             merge_file: Optional[str] = None):
