@@ -75,6 +75,11 @@ def test_a_json_key_given_twice_is_refused(tmp_path, capsys):
                           "--tokenizer-type", "NullTokenizer", "--vocab-size", 10)
     assert rc == 1 and "--json-keys names 'text' more than once: give each key once" in err
     assert not list(tmp_path.glob("o_*"))
+    for key in ("a/b", ""):  # part of an output file's name
+        rc, err = _preprocess(capsys, "--input", src, "--json-keys", key, "--output-prefix", tmp_path / "o",
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", 10)
+        assert rc == 1 and f"--json-keys {key!r}: each key names an output file" in err
+    assert not list(tmp_path.glob("o_*")) and not (tmp_path / "o_a").exists()
 
 
 @pytest.mark.parametrize("tokenizer,flags,named", [

@@ -402,6 +402,10 @@ def preprocess(files: Sequence[str], output_prefix: str, tokenizer_type: str, to
     twice = [k for i, k in enumerate(json_keys) if k in json_keys[:i]]
     if twice:  # one dataset per key: a key given twice would write its file twice
         raise ValueError(f"--json-keys names {twice[0]!r} more than once: give each key once")
+    odd = [k for k in json_keys if not k or "/" in k or os.sep in k]
+    if odd:  # a key is part of the output's file name: {prefix}_{key}_document.bin
+        raise ValueError(f"--json-keys {odd[0]!r}: each key names an output file ({{prefix}}_{{key}}_document.bin), "
+                         "so it cannot be empty or hold a path separator; keys are the JSON lines' top-level keys")
     # fail fast, in the main process
     tokenizer = build_tokenizer_by_type(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
     dtype = best_token_dtype(tokenizer.vocab_size)
