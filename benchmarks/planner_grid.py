@@ -5,12 +5,14 @@ each run's measured step time against the prediction, and the planner's fastest 
 measured.
 
     python benchmarks/planner_grid.py --list                    # the parts, their runs and estimated minutes
-    python benchmarks/planner_grid.py --part 1p36b-bf16         # one part (at most ~9 minutes on one H200)
+    python benchmarks/planner_grid.py --part 1p36b-bf16-0       # one part (at most ~9 minutes on one H200)
     python benchmarks/planner_grid.py --all                     # every part not yet written, one after another
     python benchmarks/planner_grid.py --compare                 # the page: predicted vs measured, errors, picks
 
-Parts write `<out>/parts/<part>.json` (default out: benchmarks/results/<date>_planner-grid_h200) and are
-skipped when present. The largest micro-batch of each recipe is the largest the memory planner says fits on the
+Parts write `<out>/parts/<part>.json` with their date, commit and exact commands (default out: the newest
+benchmarks/results/<date>_planner-grid_h200 that still lacks parts, else a new one dated today) and are skipped
+when present, so the grid can be measured over several sessions. `--compare` predicts every measured run again
+with the model as it is, so that all rows come from one model. The largest micro-batch of each recipe is the largest the memory planner says fits on the
 GPU (`tools/plan.py`'s rule); a run that runs out of memory anyway is recorded as such. Each run: compiled
 layers, mock data, sequence 2048, `--train-iters` ITERS, the mean of the logged intervals after the warm-up.
 """
@@ -31,6 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import source_commit  # noqa: E402
+from result_json import write_json  # noqa: E402
 
 from megacoat.config import parse_args  # noqa: E402
 from megacoat.training.hardware import load_hardware  # noqa: E402
@@ -129,13 +135,61 @@ def run_one(run: dict, log_dir: str) -> dict:
     return out
 
 
-def compare(out_dir: str) -> str:
+def default_out(results: str, parts: Dict[str, List[dict]]) -> str:
+    """The newest planner-grid folder that still lacks parts (a grid takes several sessions of GPU time), else a
+    new one dated today."""
+    found = sorted(d for d in (os.listdir(results) if os.path.isdir(results) else [])
+                   if d.endswith("_planner-grid_h200") and os.path.isdir(os.path.join(results, d)))
+    if found:
+        newest = os.path.join(results, found[-1])
+        written = os.listdir(os.path.join(newest, "parts")) if os.path.isdir(os.path.join(newest, "parts")) else []
+        if {f"{name}.json" for name in parts} - set(written):
+            return newest
+    return os.path.join(results, f"{datetime.date.today().isoformat()}_planner-grid_h200")
+
+
+def measured_runs(out_dir: str) -> Dict[str, dict]:
+    """Run name -> its record, over the parts written in `out_dir` (a run measured twice: the newer part's)."""
+    runs: Dict[str, dict] = {}
+    parts_dir = os.path.join(out_dir, "parts")
+    for f in sorted(os.listdir(parts_dir)) if os.path.isdir(parts_dir) else []:
+        if not f.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(parts_dir, f)) as fh:
+                part = json.load(fh)
+        except ValueError as e:
+            raise SystemExit(f"benchmarks/planner_grid.py: error: {os.path.join(parts_dir, f)} is not valid JSON "
+                             f"({e}): delete it and run its part again")
+        for r in part["runs"]:
+            if r["name"] not in runs or part.get("date", "") >= runs[r["name"]].get("part_date", ""):
+                runs[r["name"]] = dict(r, part=f[:-5], part_date=part.get("date", ""), commit=part.get("commit"))
+    return runs
+
+
+def compare(out_dir: str, hw, grid_runs: List[dict]) -> str:
+    """The page: every measured run against the step-time model as it is now (predicted again here, so that every
+    row comes from one model), the error statistics and the planner's pick per model; the grid's runs not measured
+    yet are listed."""
+    by_name = measured_runs(out_dir)
+    if not by_name:
+        raise SystemExit(f"benchmarks/planner_grid.py: error: no part written under {out_dir}: run "
+                         "`python benchmarks/planner_grid.py --all` on one H200 first (or pass --out)")
     runs = []
-    for f in sorted(os.listdir(os.path.join(out_dir, "parts"))):
-        runs += json.load(open(os.path.join(out_dir, "parts", f)))["runs"]
+    for r in by_name.values():
+        cfg = parse_args(r["flags"])
+        st = predict(cfg, 1, plan_stages(cfg, 1, 32000, torch.device("cuda")), hw, 32000)
+        r = dict(r, predicted_ms=st.seconds * 1e3, predicted_tokens_per_s=st.tokens_per_s_per_gpu)
+        if "measured_ms" in r:
+            r["error_vs_prediction"] = r["predicted_ms"] / r["measured_ms"] - 1
+        runs.append(r)
     ok = [r for r in runs if "measured_ms" in r]
+    commits = sorted({(r.get("commit") or "?")[:7] for r in runs})
+    missing = [r["name"] for r in grid_runs if r["name"] not in by_name]
     lines = ["# The one-GPU grid: predicted vs measured step time (H200)", "",
-             f"`python benchmarks/planner_grid.py --compare` over {len(runs)} runs ({len(ok)} measured).", ""]
+             f"`python benchmarks/planner_grid.py --compare` over {len(runs)} runs ({len(ok)} measured) of "
+             f"{len(grid_runs)} in the grid, measured at commit {', '.join(commits)}; predictions by the model at "
+             f"commit {source_commit()[:7] or '?'}.", ""]
     if ok:
         errs = [abs(r["error_vs_prediction"]) for r in ok]
         lines.append(f"- {sum(e <= 0.10 for e in errs)} of {len(ok)} within +-10%, mean absolute error "
@@ -149,6 +203,8 @@ def compare(out_dir: str) -> str:
                              f"tokens/s, the fastest measured {best['name']} {best['measured_tokens_per_s']:,.0f} "
                              f"({pick['measured_tokens_per_s'] / best['measured_tokens_per_s'] - 1:+.1%}; target "
                              "within 3%).")
+    if missing:
+        lines.append(f"- Not measured yet ({len(missing)}): {', '.join(missing)}.")
     lines += ["", "| run | measured ms | predicted ms | error | measured tokens/s | peak GiB |",
               "|---|---|---|---|---|---|"]
     for r in runs:
@@ -162,8 +218,8 @@ def compare(out_dir: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                  f"{datetime.date.today().isoformat()}_planner-grid_h200"))
+    ap.add_argument("--out", help="the grid's folder (default: the newest benchmarks/results/<date>_planner-grid_h200 "
+                                  "that still lacks parts, else a new one dated today)")
     ap.add_argument("--hardware", default="h200")
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--list", action="store_true")
@@ -171,14 +227,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     mode.add_argument("--all", action="store_true")
     mode.add_argument("--compare", action="store_true")
     args = ap.parse_args(argv)
+    hw = load_hardware(args.hardware)
+    parts = grid(hw)
+    results = os.path.join(ROOT, "benchmarks", "results")
     if args.compare:
-        text = compare(args.out)
-        with open(os.path.join(args.out, "README.md"), "w") as f:
+        out = args.out or max((os.path.join(results, d) for d in os.listdir(results)
+                               if d.endswith("_planner-grid_h200")), default=default_out(results, parts))
+        text = compare(out, hw, [r for runs in parts.values() for r in runs])
+        with open(os.path.join(out, "README.md"), "w") as f:
             f.write(text)
         print(text)
         return 0
-    hw = load_hardware(args.hardware)
-    parts = grid(hw)
+    args.out = args.out or default_out(results, parts)
     if args.list:
         total = 0.0
         for name, runs in parts.items():
@@ -199,9 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{name}: written already, skipped")
             continue
         done = [run_one(r, tempfile.gettempdir()) for r in parts[name]]
-        with open(path, "w") as f:
-            json.dump({"part": name, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "runs": done}, f, indent=1)
+        write_json(path, {"part": name, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                          "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": source_commit(),
+                          "torch": torch.__version__, "runs": done})
         print(f"{name}: " + ", ".join(f"{r['name']} {r.get('error_vs_prediction', float('nan')):+.1%}" for r in done))
     return 0
 

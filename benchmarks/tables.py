@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from provenance import ROOT  # noqa: E402
+from result_json import write_json  # noqa: E402
 from tables_env import describe, gpus, hardware_name, utc_date  # noqa: E402
 from tables_render import readme, sections_markdown, targets_table, write_plots  # noqa: E402
 from tables_run import (Context, build_code_corpus, build_extensions, command_line, corpus_command,  # noqa: E402
@@ -59,16 +60,6 @@ class UsageError(Exception):
 
 def part_file(out: str, name: str, partial: bool = False) -> str:
     return os.path.join(out, "parts", f"{name}{'.partial' if partial else ''}.json")
-
-
-def write_json(path: str, data: dict) -> None:
-    """Written whole or not at all: a part cut off while writing is not taken for done."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def read_json(path: str) -> dict:
