@@ -1,8 +1,6 @@
 """benchmarks/planner_grid.py's bookkeeping on CPU: the grid resumes in the newest folder that lacks parts (it takes
 several sessions of GPU time), parts carry their commit, and --compare predicts every measured run again with the
 model as it is, lists the grid's runs not measured yet, and refuses a folder without parts or with a damaged one."""
-import json
-import os
 import random
 import sys
 from pathlib import Path
