@@ -83,11 +83,14 @@ def largest_fit(model: str, recipe: str, recompute: bool, hw) -> int:
     return best
 
 
-def grid(hw) -> Dict[str, List[dict]]:
-    """Part name -> runs, each with its flags and predicted step time; parts fit PART_BUDGET_S."""
+def grid(hw, only: Optional[str] = None) -> Dict[str, List[dict]]:
+    """Part name -> runs, each with its flags and predicted step time; parts fit PART_BUDGET_S. `only`: a part's
+    name; just its model and recipe are planned (planning the whole grid takes minutes of CPU)."""
     parts: Dict[str, List[dict]] = {}
     for model in MODELS:
         for recipe in RECIPES:
+            if only is not None and not only.startswith(f"{model}-{recipe}-"):
+                continue
             runs = []
             for rc in (False, True):
                 top = largest_fit(model, recipe, rc, hw)
@@ -135,15 +138,15 @@ def run_one(run: dict, log_dir: str) -> dict:
     return out
 
 
-def default_out(results: str, parts: Dict[str, List[dict]]) -> str:
-    """The newest planner-grid folder that still lacks parts (a grid takes several sessions of GPU time), else a
-    new one dated today."""
+def default_out(results: str, parts: Optional[Dict[str, List[dict]]]) -> str:
+    """The newest planner-grid folder that still lacks one of `parts` (a grid takes several sessions of GPU time;
+    None: any newest folder, where one part skips itself if written), else a new one dated today."""
     found = sorted(d for d in (os.listdir(results) if os.path.isdir(results) else [])
                    if d.endswith("_planner-grid_h200") and os.path.isdir(os.path.join(results, d)))
     if found:
         newest = os.path.join(results, found[-1])
         written = os.listdir(os.path.join(newest, "parts")) if os.path.isdir(os.path.join(newest, "parts")) else []
-        if {f"{name}.json" for name in parts} - set(written):
+        if parts is None or {f"{name}.json" for name in parts} - set(written):
             return newest
     return os.path.join(results, f"{datetime.date.today().isoformat()}_planner-grid_h200")
 
@@ -228,7 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     mode.add_argument("--compare", action="store_true")
     args = ap.parse_args(argv)
     hw = load_hardware(args.hardware)
-    parts = grid(hw)
+    parts = grid(hw, only=args.part)
     results = os.path.join(ROOT, "benchmarks", "results")
     if args.compare:
         out = args.out or max((os.path.join(results, d) for d in os.listdir(results)
@@ -238,7 +241,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f.write(text)
         print(text)
         return 0
-    args.out = args.out or default_out(results, parts)
+    args.out = args.out or default_out(results, None if args.part else parts)
     if args.list:
         total = 0.0
         for name, runs in parts.items():

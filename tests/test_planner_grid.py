@@ -42,6 +42,7 @@ def test_the_grid_resumes_in_the_newest_folder_that_lacks_parts(tmp_path, monkey
     assert pg.default_out(str(results), parts) == str(old)        # a-1 still to measure, on a later day
     _part(old, "a-1", [])
     assert pg.default_out(str(results), parts) == str(results / f"{today}_planner-grid_h200")
+    assert pg.default_out(str(results), None) == str(old)  # --part NAME: the newest folder (skipped if written)
 
 
 def test_compare_predicts_again_and_lists_what_is_missing(tmp_path):
