@@ -11,7 +11,7 @@ measured.
 
 Parts write `<out>/parts/<part>.json` with their date, commit and exact commands (default out: the newest
 benchmarks/results/<date>_planner-grid_h200 that still lacks parts, else a new one dated today) and are skipped
-when present, so the grid can be measured over several sessions. `--compare` predicts every measured run again
+when present, so the grid can be measured over several days. `--compare` predicts every measured run again
 with the model as it is, so that all rows come from one model. The largest micro-batch of each recipe is the largest the memory planner says fits on the
 GPU (`tools/plan.py`'s rule); a run that runs out of memory anyway is recorded as such. Each run: compiled
 layers, mock data, sequence 2048, `--train-iters` ITERS, the mean of the logged intervals after the warm-up.
@@ -139,8 +139,9 @@ def run_one(run: dict, log_dir: str) -> dict:
 
 
 def default_out(results: str, parts: Optional[Dict[str, List[dict]]]) -> str:
-    """The newest planner-grid folder that still lacks one of `parts` (a grid takes several sessions of GPU time;
-    None: any newest folder, where one part skips itself if written), else a new one dated today."""
+    """The newest planner-grid folder that still lacks one of `parts` (a grid takes about two hours of one GPU,
+    often spread over days; None: any newest folder, where one part skips itself if written), else a new one dated
+    today."""
     found = sorted(d for d in (os.listdir(results) if os.path.isdir(results) else [])
                    if d.endswith("_planner-grid_h200") and os.path.isdir(os.path.join(results, d)))
     if found:
