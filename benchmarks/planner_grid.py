@@ -12,8 +12,9 @@ measured.
 Parts write `<out>/parts/<part>.json` with their date, commit and exact commands (default out: the newest
 benchmarks/results/<date>_planner-grid_h200 that still lacks parts, else a new one dated today) and are skipped
 when present, so the grid can be measured over several days. `--compare` predicts every measured run again
-with the model as it is, so that all rows come from one model. The largest micro-batch of each recipe is the largest the memory planner says fits on the
-GPU (`tools/plan.py`'s rule); a run that runs out of memory anyway is recorded as such. Each run: compiled
+with the model as it is, so that all rows come from one model. The largest micro-batch of each recipe is the
+largest the memory planner says fits on the GPU (`tools/plan.py`'s rule); a run that runs out of memory anyway is
+recorded as such. Each run: compiled
 layers, mock data, sequence 2048, `--train-iters` ITERS, the mean of the logged intervals after the warm-up.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""benchmarks/planner_grid.py's bookkeeping on CPU: the grid resumes in the newest folder that lacks parts (it takes
-about two hours of one GPU, often spread over days), parts carry their commit, and --compare predicts every measured run again with the
-model as it is, lists the grid's runs not measured yet, and refuses a folder without parts or with a damaged one."""
+"""benchmarks/planner_grid.py's bookkeeping on CPU: the grid resumes in the newest folder that lacks parts (it
+takes about two hours of one GPU, often spread over days), parts carry their commit, and --compare predicts every
+measured run again with the model as it is, lists the grid's runs not measured yet, and refuses a folder without
+parts or with a damaged one."""
 import random
 import sys
 from pathlib import Path
