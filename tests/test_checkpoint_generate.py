@@ -42,6 +42,8 @@ BAD_FLAGS = [
     (["--temperature", "-1"], "--temperature -1.0 is negative"),  # was greedy decoding, silently
     (["--prompt", "5 \udcff"], "--prompt is not UTF-8 text (bytes b'\\xff' at character 2)"),  # argv's bytes
     (["--vocab-size", "20"], "--vocab-size without --tokenizer-type would be ignored"),  # was ignored
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "20", "--tokenizer-model", "t.model"],
+     "--tokenizer-model would be ignored by --tokenizer-type NullTokenizer"),  # was ignored
     (["--device", "tpu"], "--device 'tpu' is not a device"),
 ]
 if not torch.cuda.is_available():

@@ -120,14 +120,17 @@ def main(argv=None) -> int:
     from megacoat.checkpoint.model_io import load_tokenizer
     try:
         check_sampling_flags(a)
-        stray = [f for f, v in (("--tokenizer-model", a.tokenizer_model), ("--vocab-file", a.vocab_file),
-                                ("--merge-file", a.merge_file), ("--vocab-size", a.vocab_size)) if v is not None]
+        from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size, unused_tokenizer_flags
+        stray = unused_tokenizer_flags(a.tokenizer_type, tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
+                                       merge_file=a.merge_file, vocab_size=a.vocab_size)
         if stray and not a.tokenizer_type:  # the checkpoint's own tokenizer would be used, these flags ignored
             raise ValueError(f"{', '.join(stray)} without --tokenizer-type would be ignored (the checkpoint's "
                              "tokenizer is used); add --tokenizer-type, or leave them out")
+        if stray:
+            raise ValueError(f"{', '.join(stray)} would be ignored by --tokenizer-type {a.tokenizer_type}: leave "
+                             "them out, or choose the tokenizer type that reads them")
         device = check_device(a.device)
         model = megacoat.load_model(a.load, device=device, dtype=a.dtype)
-        from megacoat.data.tokenizer import build_tokenizer_by_type, check_vocab_size
         if a.tokenizer_type:
             tokenizer = build_tokenizer_by_type(a.tokenizer_type, a.tokenizer_model, a.vocab_size, a.vocab_file,
                                                 a.merge_file)

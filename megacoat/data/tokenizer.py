@@ -252,10 +252,10 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Huggi
 _TOKENIZER_FLAGS = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"), "NullTokenizer": ("--vocab-size",)}
 
 
-def unused_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
+def unused_tokenizer_flags(tokenizer_type: Optional[str], **given) -> List[str]:
     """The flags in `given` (tokenizer_model=..., vocab_size=..., vocab_file=..., merge_file=...; None: not given)
-    that `tokenizer_type` does not read."""
-    reads = _TOKENIZER_FLAGS.get(tokenizer_type, ("--tokenizer-model",))
+    that `tokenizer_type` does not read (None: no type given, so none is read)."""
+    reads = () if tokenizer_type is None else _TOKENIZER_FLAGS.get(tokenizer_type, ("--tokenizer-model",))
     flags = ["--" + k.replace("_", "-") for k, v in given.items() if v is not None]
     return [f for f in flags if f not in reads]
 
