@@ -33,7 +33,7 @@ from ..model.stages import build_model_chunks, stage_layers
 from ..model.transformer import LayerContext
 from ..optim.buffers import ParamGradBuffer, grad_bucket_layout, shard_alignment
 from ..optim.factory import DEFAULT_BUCKET_ELEMENTS, build_optimizer
-from ..parallel.context import ParallelContext
+from ..parallel.context import ParallelContext, dp_groups_split_evenly
 from ..precision.linear import fp8_weight_copy_bytes
 from ..precision.recipe import resolve_precision
 
@@ -231,8 +231,7 @@ def _comm_bytes(cfg: MegacoatConfig, ctx: ParallelContext, params, grad_dtype: t
     out["all-reduce (no ZeRO)"] = {"grad": sum(ring_all_reduce_bytes(n, grad_elem, dp) for n in sizes), "param": 0}
     buf = ParamGradBuffer([torch.empty_like(p, device=META).requires_grad_() for p in params], grad_dtype, dp,
                           ctx.dp_rank, bucket_size, shard_alignment(dp))
-    # SDP4Bit needs each DP group split evenly by node; ParallelContext leaves an uneven one without that split.
-    by_node = dp == 1 or ctx.dp_intra_size * ctx.dp_inter_size == dp
+    by_node = dp_groups_split_evenly(ctx.world_size, ctx.tp_size, ctx.pp_size, ctx.ranks_per_node)  # SDP4Bit's need
     for name, (qw, qg) in COMM_OPTIONS.items():
         if (qw or qg) and not by_node:
             continue

@@ -145,7 +145,8 @@ def main(argv=None) -> int:
             raise CheckpointError(f"--save-dir {a.save_dir} is the --load-dir: the conversion would write over (or "
                                   "mix its files with) its input; choose a new --save-dir")
         # A training run's directory is written by one run at a time: a live run's lock refuses the conversion.
-        lock = SaveDirLock(a.save_dir, "conversion", flag="--save-dir") if a.save_format in ("megacoat", "megatron") else None
+        lock = SaveDirLock(a.save_dir, "conversion", flag="--save-dir") \
+            if a.save_format in ("megacoat", "megatron") else None
         with lock or contextlib.nullcontext():
             try:
                 out = convert(a, dtype)
